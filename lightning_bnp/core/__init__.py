@@ -1,0 +1,16 @@
+"""Pure-torch core of lightning_bnp; never imports Lightning."""
+
+from lightning_bnp.core.preconditioner import BNPPreconditioner, BNPWarning, PendingUpdate
+from lightning_bnp.core.statistics import Moments, RunningStatistics
+from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
+
+__all__ = [
+    "BNPPreconditioner",
+    "BNPWarning",
+    "Moments",
+    "PendingUpdate",
+    "RunningStatistics",
+    "precondition_",
+    "q_squared",
+    "var_tilde",
+]

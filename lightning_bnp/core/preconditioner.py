@@ -1,0 +1,352 @@
+"""Batch Normalization Preconditioning for plain PyTorch (paper 000, Alg. 2 and Alg. 3).
+
+:class:`BNPPreconditioner` watches the inputs of a model's Linear/ConvNd layers with forward
+hooks and, once per optimizer step, replaces each layer's gradient by (1/q²)·P·Pᵀ·g (eq. 15/23)
+built from running statistics of those inputs. The network itself is never changed.
+
+One step, for every managed layer with a gradient:
+
+1. pool the input moments of every training forward call since the last step (micro-batches,
+   repeated calls, and — with ``sync_statistics`` under ``torch.distributed`` — all ranks, in
+   one flattened ``all_gather``) into (N, μ_H, σ²_H);
+2. update the running statistics, μ ← ρμ + (1−ρ)μ_H, σ² ← ρσ² + (1−ρ)σ²_H (or use the batch
+   statistics directly with ``statistics="batch"``);
+3. σ̃² = σ² + ε1·max(σ²) + ε2 and q² from ``transform.q_squared``;
+4. transform the gradients in place (``transform.precondition_``).
+
+Batch size one (a single row of H): μ_H = h and σ²_H = (h − μ)² with the running μ *before*
+this step's update (the paper's rule after Alg. 2; before any update μ = 0).
+
+Layers without a bias have no centring direction: P = diag(1/σ̃), and σ² tracks the
+*uncentred* second moment E[h²] = σ²_H + μ_H², i.e. the columns of the uncentred H are
+equilibrated (μ is kept at 0 for them). A layer whose bias exists but has no gradient in a step
+(a frozen bias) gets P·Pᵀ restricted to the weight block with g_b = 0: G_w ← G_w / (q² σ̃²).
+
+Frozen layers (``weight.requires_grad`` false) record no statistics, and layers whose weight has
+no gradient in a step are skipped and their statistics for that step dropped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_bnp.core.selection import select_layers
+from lightning_bnp.core.statistics import Moments, RunningStatistics, moments_of_input, statistics_dtype
+from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
+
+__all__ = ["DEFAULT_LAYER_TYPES", "BNPPreconditioner", "BNPWarning", "PendingUpdate", "validate_bnp_arguments"]
+
+DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
+StatisticsMode = Literal["running", "batch"]
+
+
+class BNPWarning(UserWarning):
+    """Raised (once per layer) for managed layers that BNP cannot precondition in a step."""
+
+
+def validate_bnp_arguments(rho: float, eps1: float, eps2: float, statistics: str) -> None:
+    """Shared constructor checks; messages name the argument and the value."""
+    if not 0.0 <= rho < 1.0:
+        raise ValueError(f"`rho` must be in [0, 1), got {rho}")
+    if not eps1 > 0.0:
+        raise ValueError(f"`eps1` must be > 0, got {eps1}")
+    if not eps2 > 0.0:
+        raise ValueError(f"`eps2` must be > 0, got {eps2}")
+    if statistics not in ("running", "batch"):
+        raise ValueError(f"`statistics` must be 'running' or 'batch', got {statistics!r}")
+
+
+@dataclass
+class _Layer:
+    name: str
+    module: nn.Module
+    has_bias: bool  # P has the centring block; statistics are centred
+    groups: int
+    fan_in: int  # weight[0].numel(): c_in/groups · kernel volume, or in_features
+    features: int  # length of μ: in_features or c_in
+    dtype: torch.dtype  # of the statistics
+    running: RunningStatistics
+    moments: Moments | None = None
+
+    @property
+    def weight(self) -> Tensor:
+        return self.module.weight  # type: ignore[return-value]
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.module.bias  # type: ignore[return-value]
+
+
+@dataclass
+class PendingUpdate:
+    """Running-statistics updates computed by a step but not yet stored.
+
+    The Lightning callback commits them from the optimizer's step post-hook, so a step that the
+    ``GradScaler`` skips (non-finite gradients) leaves the statistics untouched.
+    """
+
+    items: list[tuple[RunningStatistics, tuple[Tensor, Tensor, int]]] = field(default_factory=list)
+
+    def commit(self) -> None:
+        for running, state in self.items:
+            running.assign(*state)
+        self.items.clear()
+
+
+class BNPPreconditioner:
+    """BNP gradient preconditioner for a model's Linear and ConvNd layers.
+
+    Args:
+        model: the network; hooks are registered on its selected layers.
+        rho: running-average factor ρ ∈ [0, 1).
+        eps1: ε1 > 0, relative floor of σ̃² (times max σ²).
+        eps2: ε2 > 0, absolute floor of σ̃².
+        statistics: ``"running"`` (Alg. 2/3 step 2) or ``"batch"`` (this step's μ_H, σ²_H).
+        bias_correction: divide the running averages by 1 − ρ^t (Adam-style warm start) instead
+            of the paper's μ = 0, σ² = 1 start, which dominates the first ~1/(1−ρ) steps.
+        layer_types: which of ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d`` to manage.
+        include: glob patterns of layer names to manage (all when ``None``).
+        exclude: glob patterns of layer names to leave alone.
+        sync_statistics: under an initialised ``torch.distributed`` with several processes, pool
+            the step's statistics over all ranks so that every rank applies the same P.
+        process_group: the group to pool over (default: the world).
+
+    Raises:
+        ValueError: for an argument outside its range or a pattern that matches no layer.
+
+    Example::
+
+        pre = BNPPreconditioner(model)
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            pre.step()
+            opt.step()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        rho: float = 0.99,
+        eps1: float = 1e-2,
+        eps2: float = 1e-4,
+        statistics: StatisticsMode = "running",
+        bias_correction: bool = True,
+        layer_types: Sequence[str] = DEFAULT_LAYER_TYPES,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        sync_statistics: bool = True,
+        process_group: Any = None,
+    ) -> None:
+        validate_bnp_arguments(rho, eps1, eps2, statistics)
+        self.rho, self.eps1, self.eps2 = rho, eps1, eps2
+        self.statistics = statistics
+        self.bias_correction = bias_correction
+        self.sync_statistics = sync_statistics
+        self.process_group = process_group
+        self.layers: dict[str, _Layer] = {
+            name: self._make_layer(name, module)
+            for name, module in select_layers(model, layer_types, include, exclude).items()
+        }
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._collecting = True
+        self._warned: set[str] = set()
+        self.attach()
+
+    def _make_layer(self, name: str, module: nn.Module) -> _Layer:
+        weight: Tensor = module.weight  # type: ignore[assignment]
+        bias = module.bias
+        if isinstance(module, nn.Linear):
+            groups, features = 1, module.in_features
+        else:
+            assert isinstance(module, nn.modules.conv._ConvNd)
+            groups, features = module.groups, module.in_channels
+        dtype = statistics_dtype(weight.dtype)
+        running = RunningStatistics(
+            features, rho=self.rho, bias_correction=self.bias_correction, device=weight.device, dtype=dtype
+        )
+        has_bias = isinstance(bias, Tensor)
+        return _Layer(name, module, has_bias, groups, weight[0].numel(), features, dtype, running)
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self) -> None:
+        """Register the forward hooks (idempotent)."""
+        if self._handles:
+            return
+        for layer in self.layers.values():
+            self._handles.append(layer.module.register_forward_hook(self._make_hook(layer)))
+
+    def detach(self) -> None:
+        """Remove the forward hooks and drop statistics of an unfinished step."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for layer in self.layers.values():
+            layer.moments = None
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forward passes inside this context do not contribute statistics."""
+        previous, self._collecting = self._collecting, False
+        try:
+            yield
+        finally:
+            self._collecting = previous
+
+    def _make_hook(self, layer: _Layer) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
+            # statistics only from training forward passes that build a graph for a gradient
+            if not (self._collecting and module.training and torch.is_grad_enabled() and module.weight.requires_grad):
+                return
+            with torch.no_grad():
+                part = moments_of_input(module, args[0], output)
+            layer.moments = part if layer.moments is None else layer.moments.merge(part)
+
+        return hook
+
+    # ------------------------------------------------------------------- step
+    def step(self, params: Iterable[Tensor] | None = None) -> None:
+        """Precondition the gradients of the layers owning ``params`` (all when ``None``) and
+        store the updated running statistics."""
+        self.precondition(params, commit=True)
+
+    def precondition(self, params: Iterable[Tensor] | None = None, *, commit: bool = True) -> PendingUpdate:
+        """Transform the current gradients of the layers whose weight is in ``params``.
+
+        Statistics pooled since the previous step are consumed. With ``commit=False`` the running
+        statistics are updated only when the returned :class:`PendingUpdate` is committed.
+        """
+        if params is None:
+            layers = list(self.layers.values())
+        else:
+            ids = {id(p) for p in params}
+            layers = [layer for layer in self.layers.values() if id(layer.weight) in ids]
+        # a layer with no gradient this step did not contribute to it: its statistics are dropped
+        active = [layer for layer in layers if layer.weight.grad is not None]
+        pooled = self._pool(active)
+        for layer in layers:
+            layer.moments = None
+        pending = PendingUpdate()
+        for layer, moments in zip(active, pooled):
+            if moments.rows == 0:
+                self._warn_never_ran(layer)
+                continue
+            mu, var = self._statistics_for_step(layer, moments, pending)
+            q2 = q_squared(layer.fan_in, moments.samples, moments.out_positions / moments.samples)
+            grad_w = layer.weight.grad
+            assert grad_w is not None  # `active` holds layers with a weight gradient
+            grad_b = layer.bias.grad if layer.bias is not None else None
+            precondition_(
+                grad_w,
+                grad_b,
+                mu if grad_b is not None else None,
+                var_tilde(var, self.eps1, self.eps2),
+                q2,
+                layer.groups,
+            )
+        if commit:
+            pending.commit()
+        return pending
+
+    def _statistics_for_step(self, layer: _Layer, moments: Moments, pending: PendingUpdate) -> tuple[Tensor, Tensor]:
+        """μ and σ² that P uses this step (Alg. 2/3 steps 1–2)."""
+        running = layer.running
+        running.to(moments.mean.device)
+        if layer.has_bias:
+            mu_h = moments.mean
+            if moments.rows > 1:
+                var_h = moments.var
+            else:  # N = 1: σ²_H = (h − μ)² with the running μ before this step's update
+                var_h = (moments.mean - running.mu).square()
+        else:  # uncentred second moment; μ stays 0 (module docstring)
+            mu_h = torch.zeros_like(moments.mean)
+            var_h = moments.var + moments.mean.square()
+        if self.statistics == "batch":
+            if moments.rows == 1:
+                raise ValueError(
+                    f"statistics='batch' needs more than one row of input per step, but layer "
+                    f"{layer.name!r} saw 1; use statistics='running' for batch size 1"
+                )
+            return mu_h, var_h
+        state = running.updated(mu_h, var_h)
+        pending.items.append((running, state))
+        return running.view(*state)
+
+    def _pool(self, layers: list[_Layer]) -> list[Moments]:
+        """This step's moments per layer, pooled over ranks when syncing (one collective)."""
+        local = [
+            layer.moments
+            if layer.moments is not None
+            else Moments.empty(layer.features, layer.weight.device, layer.dtype)
+            for layer in layers
+        ]
+        if not layers or not self._distributed():
+            return local
+        world = dist.get_world_size(self.process_group)
+        flat = torch.cat([m.pack() for m in local])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat, group=self.process_group)
+        sizes = [3 + 2 * layer.features for layer in layers]
+        per_rank = [g.split(sizes) for g in gathered]
+        pooled = []
+        for i, layer in enumerate(layers):
+            merged = Moments.unpack(per_rank[0][i], layer.features, layer.dtype)
+            for rank in range(1, world):  # same order on every rank: bitwise-identical results
+                merged = merged.merge(Moments.unpack(per_rank[rank][i], layer.features, layer.dtype))
+            pooled.append(merged)
+        return pooled
+
+    def _distributed(self) -> bool:
+        return (
+            self.sync_statistics
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size(self.process_group) > 1
+        )
+
+    def _warn_never_ran(self, layer: _Layer) -> None:
+        if layer.name in self._warned:
+            return
+        self._warned.add(layer.name)
+        warnings.warn(
+            f"BNP layer {layer.name!r} ({type(layer.module).__name__}) has a gradient but its forward "
+            "never ran in training mode this step (e.g. its weight is used through F.linear, as in "
+            "nn.MultiheadAttention.out_proj); its gradient is left untransformed. Exclude it with "
+            "`exclude` to silence this warning.",
+            BNPWarning,
+            stacklevel=2,
+        )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Running statistics per layer name (CPU tensors)."""
+        return {"layers": {name: layer.running.state_dict() for name, layer in self.layers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            ValueError: the saved layer names differ from the managed ones.
+        """
+        saved = state["layers"]
+        missing, unexpected = set(self.layers) - set(saved), set(saved) - set(self.layers)
+        if missing or unexpected:
+            raise ValueError(
+                f"BNP state does not match the managed layers: missing {sorted(missing)}, "
+                f"unexpected {sorted(unexpected)}"
+            )
+        for name, layer_state in saved.items():
+            self.layers[name].running.load_state_dict(layer_state)

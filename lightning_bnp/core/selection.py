@@ -1,0 +1,68 @@
+"""Which layers BNP manages: module types, name patterns, trainable weights."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+__all__ = ["SUPPORTED_LAYER_TYPES", "select_layers", "validate_layer_types"]
+
+SUPPORTED_LAYER_TYPES: dict[str, type[nn.Module]] = {
+    "Linear": nn.Linear,
+    "Conv1d": nn.Conv1d,
+    "Conv2d": nn.Conv2d,
+    "Conv3d": nn.Conv3d,
+}
+
+
+def validate_layer_types(layer_types: Sequence[str]) -> None:
+    """Raise ``ValueError`` for an empty list or an unknown type name."""
+    if not layer_types:
+        raise ValueError("`layer_types` must name at least one layer type, got []")
+    unknown = [t for t in layer_types if t not in SUPPORTED_LAYER_TYPES]
+    if unknown:
+        raise ValueError(f"`layer_types` must be a subset of {sorted(SUPPORTED_LAYER_TYPES)}, got unknown {unknown}")
+
+
+def select_layers(
+    model: nn.Module,
+    layer_types: Sequence[str],
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+) -> dict[str, nn.Module]:
+    """Return ``{qualified_name: module}`` of the layers BNP should manage.
+
+    A layer is selected when it is an instance of one of ``layer_types`` (subclasses included),
+    its name matches one of the ``include`` glob patterns (all names when ``None``), matches
+    none of the ``exclude`` patterns. Frozen layers stay selected (they are skipped while they have
+    no gradient, so unfreezing later works). Patterns use shell-style
+    wildcards on ``named_modules()`` names, e.g. ``"encoder.*"`` or ``"*.fc?"``.
+
+    Raises:
+        ValueError: a pattern in ``include`` or ``exclude`` matches no layer of a selected type,
+            or nothing is left to manage.
+    """
+    validate_layer_types(layer_types)
+    types = tuple(SUPPORTED_LAYER_TYPES[t] for t in layer_types)
+    candidates = {name: m for name, m in model.named_modules() if isinstance(m, types)}
+    for arg, patterns in (("include", include), ("exclude", exclude)):
+        for pattern in patterns or ():
+            if not any(fnmatchcase(name, pattern) for name in candidates):
+                raise ValueError(
+                    f"`{arg}` pattern {pattern!r} matches no {'/'.join(layer_types)} layer; "
+                    f"candidates are {sorted(candidates)}"
+                )
+    selected = {
+        name: m
+        for name, m in candidates.items()
+        if (include is None or any(fnmatchcase(name, p) for p in include))
+        and not any(fnmatchcase(name, p) for p in exclude or ())
+    }
+    if not selected:
+        raise ValueError(
+            f"no {'/'.join(layer_types)} layer is left for BNP after include={include!r}, "
+            f"exclude={exclude!r}; candidates are {sorted(candidates)}"
+        )
+    return selected

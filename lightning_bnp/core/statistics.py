@@ -1,0 +1,202 @@
+"""Per-layer activation statistics for BNP (paper 000, Alg. 2/3 steps 1–2, eqs. 13, 21–22).
+
+Two objects live here:
+
+* :class:`Moments` — the pooled count, mean and centred sum of squares of one layer's *input*
+  over every forward call that contributed to one optimizer step (micro-batches, repeated calls
+  of a shared layer and, under DDP, ranks). Parts are combined with Chan et al.'s pairwise
+  update, which stays accurate when ``|mean| >> std`` (raw ``Σh² − (Σh)²/n`` in float32 does not).
+* :class:`RunningStatistics` — the exponential moving averages μ, σ² of Alg. 2 step 2, optionally
+  bias-corrected (Adam-style) so that the first ~1/(1−ρ) steps are not dominated by the
+  initial values μ = 0, σ² = 1.
+
+Statistics are float32 whatever the autocast dtype of the forward pass (half and bfloat16 inputs
+are upcast); float64 models keep float64.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Moments", "RunningStatistics", "moments_of_input", "statistics_dtype"]
+
+
+@dataclass
+class Moments:
+    """Pooled statistics of one layer input over one optimizer step.
+
+    Attributes:
+        rows: number of rows of H that were averaged (Linear: every leading index; ConvNd:
+            batch × input spatial positions, eqs. 21–22).
+        samples: the paper's N — rows for Linear, batch entries for ConvNd.
+        out_positions: output positions summed over samples (ConvNd; equals ``samples`` for Linear).
+            ``out_positions / samples`` is the r·s of q² in Alg. 3 step 3.
+        mean: per-feature / per-input-channel mean (float32, or float64 for float64 inputs).
+        m2: per-feature centred sum of squares Σ(h − mean)², same dtype.
+    """
+
+    rows: int
+    samples: int
+    out_positions: int
+    mean: Tensor
+    m2: Tensor
+
+    def merge(self, other: Moments) -> Moments:
+        """Combine two disjoint parts (Chan, Golub & LeVeque pairwise update)."""
+        if other.rows == 0:
+            return self
+        if self.rows == 0:
+            return other
+        n = self.rows + other.rows
+        delta = other.mean - self.mean
+        mean = self.mean + delta * (other.rows / n)
+        m2 = self.m2 + other.m2 + delta.square() * (self.rows * other.rows / n)
+        return Moments(
+            self.rows + other.rows,
+            self.samples + other.samples,
+            self.out_positions + other.out_positions,
+            mean,
+            m2,
+        )
+
+    @property
+    def var(self) -> Tensor:
+        """Biased (1/n) variance σ²_H of eq. 13 / 22."""
+        return self.m2 / self.rows
+
+    def pack(self) -> Tensor:
+        """Flatten to one float64 vector ``[rows, samples, out_positions, mean…, m2…]`` (for collectives)."""
+        head = torch.tensor([self.rows, self.samples, self.out_positions], dtype=torch.float64, device=self.mean.device)
+        return torch.cat([head, self.mean.double(), self.m2.double()])
+
+    @staticmethod
+    def unpack(flat: Tensor, features: int, dtype: torch.dtype) -> Moments:
+        """Inverse of :meth:`pack` for a vector of ``3 + 2·features`` entries."""
+        rows, samples, positions = (int(v) for v in flat[:3].tolist())
+        mean = flat[3 : 3 + features].to(dtype)
+        m2 = flat[3 + features : 3 + 2 * features].to(dtype)
+        return Moments(rows, samples, positions, mean, m2)
+
+    @staticmethod
+    def empty(features: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Moments:
+        zeros = torch.zeros(features, dtype=dtype, device=device)
+        return Moments(0, 0, 0, zeros, zeros.clone())
+
+
+def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else (float32, float16, bfloat16) is reduced in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
+    """Statistics of one forward call's input ``h`` to a Linear or ConvNd ``layer``.
+
+    Linear: per input feature over all leading dimensions (a (B, T, F) input gives B·T rows).
+    ConvNd: per input channel over batch and all spatial positions (eqs. 21–22); unbatched
+    (C, *spatial) inputs count as a batch of one.
+    """
+    h = h.detach()
+    if isinstance(layer, nn.Linear):
+        x = h.reshape(-1, h.shape[-1]).to(statistics_dtype(h.dtype))
+        var, mean = torch.var_mean(x, dim=0, correction=0)
+        rows = x.shape[0]
+        return Moments(rows, rows, rows, mean, var * rows)
+    assert isinstance(layer, nn.modules.conv._ConvNd)
+    spatial_dims = len(layer.kernel_size)
+    if h.dim() == spatial_dims + 1:  # unbatched input
+        h, output = h.unsqueeze(0), output.unsqueeze(0)
+    x = h.to(statistics_dtype(h.dtype))
+    dims = [0, *range(2, x.dim())]
+    var, mean = torch.var_mean(x, dim=dims, correction=0)
+    rows = x.numel() // x.shape[1]
+    samples = x.shape[0]
+    out_positions = samples * math.prod(output.shape[2:])
+    return Moments(rows, samples, out_positions, mean, var * rows)
+
+
+class RunningStatistics:
+    """Running μ, σ² of Alg. 2/3 step 2, with an optional Adam-style bias correction.
+
+    The state is two zero-initialised accumulators and a step count ``t``:
+
+    .. math::
+        m_t = ρ m_{t-1} + (1-ρ) μ_H, \\qquad v_t = ρ v_{t-1} + (1-ρ) σ_H^2 .
+
+    The paper's statistics (init μ = 0, σ² = 1) are exactly ``μ = m_t`` and ``σ² = v_t + ρ^t``;
+    the bias-corrected ones are ``μ = m_t / (1 − ρ^t)`` and ``σ² = v_t / (1 − ρ^t)``. Keeping the
+    zero-initialised accumulators (rather than the paper's σ²) avoids the cancellation of
+    ``σ² − ρ^t`` in float32 when the true variance is small. Before the first update both views
+    are the paper's initial values μ = 0, σ² = 1.
+
+    Args:
+        features: length of μ and σ².
+        rho: ρ ∈ [0, 1).
+        bias_correction: use the bias-corrected view.
+        device: where the accumulators live.
+    """
+
+    def __init__(
+        self,
+        features: int,
+        *,
+        rho: float,
+        bias_correction: bool,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.rho = rho
+        self.bias_correction = bias_correction
+        self.mean_acc = torch.zeros(features, dtype=dtype, device=device)
+        self.var_acc = torch.zeros(features, dtype=dtype, device=device)
+        self.steps = 0
+
+    def view(self, mean_acc: Tensor, var_acc: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+        """(μ, σ²) seen through the configured view for a given accumulator state."""
+        if steps == 0:
+            return torch.zeros_like(mean_acc), torch.ones_like(var_acc)
+        decay = self.rho**steps  # float64 on the host: exact enough for any t
+        if self.bias_correction:
+            return mean_acc / (1.0 - decay), var_acc / (1.0 - decay)
+        return mean_acc, var_acc + decay
+
+    @property
+    def mu(self) -> Tensor:
+        return self.view(self.mean_acc, self.var_acc, self.steps)[0]
+
+    @property
+    def var(self) -> Tensor:
+        return self.view(self.mean_acc, self.var_acc, self.steps)[1]
+
+    def updated(self, mu_h: Tensor, var_h: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Accumulator state after one step with batch statistics (μ_H, σ²_H); does not commit."""
+        mean_acc = torch.lerp(self.mean_acc, mu_h, 1.0 - self.rho)
+        var_acc = torch.lerp(self.var_acc, var_h, 1.0 - self.rho)
+        return mean_acc, var_acc, self.steps + 1
+
+    def assign(self, mean_acc: Tensor, var_acc: Tensor, steps: int) -> None:
+        self.mean_acc, self.var_acc, self.steps = mean_acc, var_acc, steps
+
+    def to(self, device: torch.device) -> None:
+        if self.mean_acc.device != device:
+            self.mean_acc = self.mean_acc.to(device)
+            self.var_acc = self.var_acc.to(device)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"mean_acc": self.mean_acc.cpu().clone(), "var_acc": self.var_acc.cpu().clone(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        mean_acc, var_acc = state["mean_acc"], state["var_acc"]
+        assert isinstance(mean_acc, Tensor) and isinstance(var_acc, Tensor)
+        if mean_acc.shape != self.mean_acc.shape:
+            raise ValueError(
+                f"BNP statistics of shape {tuple(mean_acc.shape)} do not fit a layer with "
+                f"{self.mean_acc.numel()} input features"
+            )
+        device, dtype = self.mean_acc.device, self.mean_acc.dtype
+        self.mean_acc = mean_acc.to(device=device, dtype=dtype).clone()
+        self.var_acc = var_acc.to(device=device, dtype=dtype).clone()
+        self.steps = int(state["steps"])  # type: ignore[call-overload]

@@ -1,0 +1,94 @@
+"""The BNP gradient transform (paper 000, eq. 15 for dense layers, eq. 23 for convolutions).
+
+For one output neuron i with bias gradient g_b and weight-gradient row g_w (the kernel slice
+``G_w[i]`` flattened, input channel j repeated over its kernel positions), BNP replaces
+
+.. math::
+    \\begin{bmatrix} g_b \\\\ g_w \\end{bmatrix} \\leftarrow \\frac{1}{q^2} P P^T
+    \\begin{bmatrix} g_b \\\\ g_w \\end{bmatrix}, \\qquad
+    P = \\begin{bmatrix} 1 & -μ^T \\\\ 0 & I \\end{bmatrix}
+        \\begin{bmatrix} 1 & 0 \\\\ 0 & \\operatorname{diag}(1/\\tilde σ) \\end{bmatrix},
+
+which Alg. 2/3 steps 4–5 write without matrices:
+
+.. math::
+    G_w[i, j] \\leftarrow \\frac{G_w[i, j] - μ_j G_b[i]}{q^2 \\tilde σ_j^2}, \\qquad
+    G_b[i] \\leftarrow \\frac{G_b[i]}{q^2} - \\sum_j μ_j G_w^{new}[i, j].
+
+Layers without bias have no centring direction: P = diag(1/σ̃) and only the first formula with
+μ = 0 applies (σ̃² is then built from the uncentred second moment, see ``preconditioner.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["precondition_", "q_squared", "var_tilde"]
+
+
+def var_tilde(var: Tensor, eps1: float, eps2: float) -> Tensor:
+    """σ̃² = σ² + ε1·max(σ²) + ε2 (Alg. 2/3 step 3)."""
+    return var + (eps1 * var.max() + eps2)
+
+
+def q_squared(fan_in: int, samples: int, out_positions_per_sample: float) -> float:
+    """q² of Alg. 2/3 step 3.
+
+    Dense (Prop. 5): ``max(n_in / N, 1)``. Convolution (§4): ``max(c_in·k² / N, √(r·s))`` with r·s
+    the output positions per sample. One formula covers both because a dense layer has one
+    output position per row. ``fan_in`` is what one output neuron sees: ``weight[0].numel()``
+    (per-group input channels × kernel volume for grouped convolutions).
+    """
+    return max(fan_in / samples, math.sqrt(out_positions_per_sample))
+
+
+def _per_weight_view(vec: Tensor, grad_w: Tensor, groups: int) -> Tensor:
+    """Broadcast a per-input-channel vector (length c_in) onto ``grad_w`` of shape (out, c_in/groups, *k)."""
+    out, cin_g = grad_w.shape[0], grad_w.shape[1]
+    trailing = (1,) * (grad_w.dim() - 2)
+    if groups == 1:
+        return vec.view(1, cin_g, *trailing)
+    # output channel o belongs to group o // (out / groups) and sees input channels of that group only
+    per_out = vec.view(groups, 1, cin_g).expand(groups, out // groups, cin_g).reshape(out, cin_g)
+    return per_out.view(out, cin_g, *trailing)
+
+
+@torch.no_grad()
+def precondition_(
+    grad_w: Tensor,
+    grad_b: Tensor | None,
+    mu: Tensor | None,
+    var_t: Tensor,
+    q2: float,
+    groups: int = 1,
+) -> None:
+    """Apply (1/q²)·P·Pᵀ to one layer's gradients, in place (Alg. 2/3 steps 4–5).
+
+    Args:
+        grad_w: weight gradient, (out, in) or (out, c_in/groups, *kernel).
+        grad_b: bias gradient (out,), or ``None`` for a layer without bias.
+        mu: per-input-channel mean μ (c_in,), or ``None`` for a layer without bias.
+        var_t: per-input-channel σ̃² (c_in,).
+        q2: the scale q².
+        groups: convolution groups (1 for Linear).
+    """
+    dtype = grad_w.dtype
+    # 1/(q² σ̃²) is formed in float32 and applied in the gradient's dtype
+    inv = _per_weight_view((1.0 / (q2 * var_t)).to(dtype), grad_w, groups)
+    if grad_b is None or mu is None:
+        grad_w.mul_(inv)
+        return
+    trailing = (1,) * (grad_w.dim() - 1)
+    mu_w = _per_weight_view(mu.to(dtype), grad_w, groups)
+    grad_w.addcmul_(mu_w, grad_b.view(-1, *trailing), value=-1.0)  # G_w − μ_j G_b[i]
+    grad_w.mul_(inv)
+    # Σ_j μ_j G_w_new[i, j] over input channels and kernel positions
+    kernel_sum = grad_w.flatten(2).sum(-1) if grad_w.dim() > 2 else grad_w  # (out, c_in/groups)
+    if groups == 1:
+        correction = kernel_sum @ mu.to(dtype)
+    else:
+        correction = (kernel_sum * mu_w.reshape(kernel_sum.shape)).sum(1)
+    grad_b.div_(q2).sub_(correction)

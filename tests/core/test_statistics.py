@@ -1,0 +1,124 @@
+"""Layer-input statistics (Alg. 2/3 steps 1–2, eqs. 13, 21–22) against direct computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_bnp.core.statistics import Moments, RunningStatistics, moments_of_input
+
+
+def test_linear_pools_all_leading_dimensions() -> None:
+    layer = nn.Linear(5, 2)
+    h = torch.randn(3, 7, 5) * 2 + 1
+    m = moments_of_input(layer, h, layer(h))
+    flat = h.reshape(-1, 5).double()
+    assert (m.rows, m.samples, m.out_positions) == (21, 21, 21)
+    torch.testing.assert_close(m.mean.double(), flat.mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.var.double(), flat.var(0, unbiased=False), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv1d(3, 4, 3, stride=2),
+        nn.Conv2d(4, 6, 3, padding=1, padding_mode="reflect"),
+        nn.Conv2d(4, 4, 3, dilation=2, padding=2, padding_mode="circular", groups=4),  # depthwise
+        nn.Conv2d(4, 6, (1, 3), stride=(2, 1), padding=0, groups=2),
+        nn.Conv3d(2, 3, 2, padding=1, padding_mode="replicate"),
+    ],
+)
+def test_conv_statistics_per_input_channel(conv: nn.Module) -> None:
+    spatial = {nn.Conv1d: (9,), nn.Conv2d: (7, 6), nn.Conv3d: (4, 5, 3)}[type(conv)]
+    c_in = conv.in_channels  # type: ignore[attr-defined]
+    h = torch.randn(5, c_in, *spatial) * torch.arange(1, c_in + 1).view(1, -1, *[1] * len(spatial)) + 3
+    out = conv(h)
+    m = moments_of_input(conv, h, out)
+    per_channel = h.transpose(0, 1).reshape(c_in, -1).double()  # eqs. 21–22: batch × all positions
+    torch.testing.assert_close(m.mean.double(), per_channel.mean(1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.var.double(), per_channel.var(1, unbiased=False), rtol=1e-4, atol=1e-5)
+    assert m.rows == per_channel.shape[1]
+    assert m.samples == 5
+    assert m.out_positions == 5 * math.prod(out.shape[2:])  # r·s counts *output* positions
+
+
+def test_unbatched_conv_input_is_one_sample() -> None:
+    conv = nn.Conv2d(2, 3, 3)
+    h = torch.randn(2, 6, 6)
+    m = moments_of_input(conv, h, conv(h))
+    assert (m.samples, m.rows, m.out_positions) == (1, 36, 16)
+
+
+def test_statistics_are_float32_for_half_inputs() -> None:
+    layer = nn.Linear(4, 2)
+    h = torch.randn(8, 4).to(torch.bfloat16)
+    m = moments_of_input(layer, h, torch.empty(8, 2))
+    assert m.mean.dtype == torch.float32 and m.m2.dtype == torch.float32
+
+
+def test_chan_merge_equals_pooled_and_is_stable_when_mean_dominates() -> None:
+    # |μ| / σ = 1e5: raw Σh² − (Σh)²/n in float32 loses every digit here
+    g = torch.Generator().manual_seed(0)
+    h = (1e4 + 0.1 * torch.randn(1000, 3, generator=g, dtype=torch.float64)).float()
+    layer = nn.Linear(3, 1)
+    parts = [h[:1], h[1:300], h[300:301], h[301:]]
+    merged = Moments.empty(3, torch.device("cpu"))
+    for part in parts:
+        merged = merged.merge(moments_of_input(layer, part, torch.empty(len(part), 1)))
+    ref = h.double()
+    assert merged.rows == 1000
+    torch.testing.assert_close(merged.mean.double(), ref.mean(0), rtol=1e-7, atol=0)
+    torch.testing.assert_close(merged.var.double(), ref.var(0, unbiased=False), rtol=1e-3, atol=0)
+    naive = (h.square().sum(0) - h.sum(0).square() / 1000) / 1000
+    assert (naive.double() - ref.var(0, unbiased=False)).abs().max() > 1.0  # what Chan avoids
+
+
+def test_pack_round_trip() -> None:
+    m = Moments(7, 3, 12, torch.randn(4), torch.rand(4))
+    back = Moments.unpack(m.pack(), 4, torch.float32)
+    assert (back.rows, back.samples, back.out_positions) == (7, 3, 12)
+    torch.testing.assert_close(back.mean, m.mean)
+    torch.testing.assert_close(back.m2, m.m2)
+
+
+def test_running_paper_view_is_the_recurrence_from_mu0_var1() -> None:
+    rho = 0.9
+    stats = RunningStatistics(2, rho=rho, bias_correction=False, device=torch.device("cpu"))
+    mu, var = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    torch.testing.assert_close(stats.mu, mu.float())
+    torch.testing.assert_close(stats.var, var.float())
+    for step in range(5):
+        mu_h, var_h = torch.tensor([step, -2.0 * step]), torch.tensor([0.5 + step, 3.0])
+        stats.assign(*stats.updated(mu_h, var_h))
+        mu = rho * mu + (1 - rho) * mu_h.double()  # Alg. 2 step 2
+        var = rho * var + (1 - rho) * var_h.double()
+        torch.testing.assert_close(stats.mu.double(), mu, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(stats.var.double(), var, rtol=1e-6, atol=1e-6)
+
+
+def test_running_bias_corrected_view_divides_by_one_minus_rho_t() -> None:
+    rho = 0.99
+    stats = RunningStatistics(1, rho=rho, bias_correction=True, device=torch.device("cpu"))
+    stats.assign(*stats.updated(torch.tensor([2.0]), torch.tensor([5.0])))
+    # one step: the bias-corrected averages are exactly the batch statistics
+    torch.testing.assert_close(stats.mu, torch.tensor([2.0]))
+    torch.testing.assert_close(stats.var, torch.tensor([5.0]))
+    stats.assign(*stats.updated(torch.tensor([4.0]), torch.tensor([1.0])))
+    w = (1 - rho) / (1 - rho**2)  # weight of the newest batch after two steps
+    torch.testing.assert_close(stats.mu, torch.tensor([w * 4.0 + (1 - w) * 2.0]))
+    torch.testing.assert_close(stats.var, torch.tensor([w * 1.0 + (1 - w) * 5.0]))
+
+
+def test_running_state_dict_round_trip_and_shape_check() -> None:
+    a = RunningStatistics(3, rho=0.99, bias_correction=True, device=torch.device("cpu"))
+    a.assign(*a.updated(torch.ones(3), torch.full((3,), 2.0)))
+    b = RunningStatistics(3, rho=0.99, bias_correction=True, device=torch.device("cpu"))
+    b.load_state_dict(a.state_dict())
+    assert b.steps == 1
+    torch.testing.assert_close(b.mu, a.mu)
+    c = RunningStatistics(4, rho=0.99, bias_correction=True, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"shape \(3,\) do not fit a layer with 4 input features"):
+        c.load_state_dict(a.state_dict())

@@ -1,0 +1,104 @@
+"""The BNP transform equals the explicit (1/q²)·P·Pᵀ product of eq. 15 / 23 (DESIGN §3.4)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
+
+
+def explicit_matrix(mu: torch.Tensor | None, var_t: torch.Tensor, kernel_volume: int, q2: float) -> torch.Tensor:
+    """(1/q²)·P·Pᵀ for one output neuron, coordinates [b, w_(j, kernel position)...]; no bias: P = diag(1/σ̃)."""
+    scale = var_t.repeat_interleave(kernel_volume).rsqrt()
+    if mu is None:
+        p = torch.diag(scale)
+    else:
+        n = 1 + scale.numel()
+        u = torch.eye(n, dtype=torch.float64)
+        u[0, 1:] = -mu.repeat_interleave(kernel_volume)  # [[1, −μᵀ⊗eᵀ], [0, I]]
+        d = torch.diag(torch.cat([torch.ones(1, dtype=torch.float64), scale]))
+        p = u @ d
+    return p @ p.T / q2
+
+
+def reference(
+    grad_w: torch.Tensor,
+    grad_b: torch.Tensor | None,
+    mu: torch.Tensor | None,
+    var_t: torch.Tensor,
+    q2: float,
+    groups: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out, cin_g = grad_w.shape[:2]
+    kv = math.prod(grad_w.shape[2:])
+    new_w, new_b = torch.empty_like(grad_w), None if grad_b is None else torch.empty_like(grad_b)
+    for i in range(out):
+        g = i // (out // groups)  # the group output neuron i belongs to sees channels g·cin_g ... (g+1)·cin_g − 1
+        channels = slice(g * cin_g, (g + 1) * cin_g)
+        m = explicit_matrix(None if mu is None else mu[channels], var_t[channels], kv, q2)
+        if grad_b is None:
+            new_w[i] = (m @ grad_w[i].reshape(-1)).view_as(grad_w[i])
+        else:
+            v = m @ torch.cat([grad_b[i : i + 1], grad_w[i].reshape(-1)])
+            new_b[i] = v[0]  # type: ignore[index]
+            new_w[i] = v[1:].view_as(grad_w[i])
+    return new_w, new_b
+
+
+@st.composite
+def layer_shapes(draw: st.DrawFn) -> tuple[tuple[int, ...], int]:
+    spatial = draw(st.integers(0, 3))  # 0: Linear; 1-3: Conv1d/2d/3d
+    groups = 1 if spatial == 0 else draw(st.sampled_from([1, 2, 3]))
+    cin_g = draw(st.integers(1, 4))
+    out = groups * draw(st.integers(1, 3))
+    kernel = tuple(draw(st.integers(1, 3)) for _ in range(spatial))
+    return (out, cin_g, *kernel), groups
+
+
+@settings(max_examples=60, deadline=None)
+@given(layer_shapes(), st.booleans(), st.floats(0.5, 20.0), st.integers(0, 2**31 - 1))
+def test_transform_equals_explicit_matrix(
+    shape_groups: tuple[tuple[int, ...], int], with_bias: bool, q2: float, seed: int
+) -> None:
+    shape, groups = shape_groups
+    g = torch.Generator().manual_seed(seed)
+    cin = shape[1] * groups
+    grad_w = torch.randn(shape, generator=g, dtype=torch.float64)
+    grad_b = torch.randn(shape[0], generator=g, dtype=torch.float64) if with_bias else None
+    mu = 3 * torch.randn(cin, generator=g, dtype=torch.float64) if with_bias else None
+    var_t = torch.rand(cin, generator=g, dtype=torch.float64) * 10 + 1e-3
+    expected_w, expected_b = reference(grad_w, grad_b, mu, var_t, q2, groups)
+    precondition_(grad_w, grad_b, mu, var_t, q2, groups)
+    torch.testing.assert_close(grad_w, expected_w, rtol=1e-10, atol=1e-10)
+    if with_bias:
+        torch.testing.assert_close(grad_b, expected_b, rtol=1e-10, atol=1e-10)
+
+
+def test_transform_in_float32_gradient_dtype_stays() -> None:
+    grad_w, grad_b = torch.randn(3, 4), torch.randn(3)
+    precondition_(grad_w, grad_b, torch.randn(4), torch.rand(4) + 0.5, 2.0)
+    assert grad_w.dtype == torch.float32 and grad_b.dtype == torch.float32
+
+
+def test_var_tilde_is_step_3() -> None:
+    var = torch.tensor([4.0, 1.0, 0.0])
+    # σ̃² = σ² + ε1·max(σ²) + ε2
+    torch.testing.assert_close(var_tilde(var, 1e-2, 1e-4), torch.tensor([4.0401, 1.0401, 0.0401]))
+
+
+@pytest.mark.parametrize(
+    ("fan_in", "samples", "positions", "expected"),
+    [
+        (100, 60, 1, 100 / 60),  # dense: max(n_in/N, 1)
+        (100, 256, 1, 1.0),
+        (32 * 9, 2, 64, 144.0),  # conv: max(c_in·k²/N, √(r·s))
+        (32 * 9, 128, 1024, 32.0),
+    ],
+)
+def test_q_squared(fan_in: int, samples: int, positions: float, expected: float) -> None:
+    assert q_squared(fan_in, samples, positions) == pytest.approx(expected)
