@@ -1,0 +1,219 @@
+"""Batch Normalization Preconditioning as a Lightning callback (paper 000, §3.3 eq. 15, §4 eq. 23).
+
+A thin adapter over :class:`lightning_bnp.core.BNPPreconditioner`: it decides *when* the core runs.
+
+When. Lightning calls ``on_after_backward`` after every backward (once per micro-batch under
+``accumulate_grad_batches``, and under 16-bit AMP before the gradients are unscaled), whereas
+``on_before_optimizer_step`` runs exactly once per optimizer step, after gradient accumulation,
+after DDP's all-reduce and after AMP unscaling, and before gradient clipping. The transform
+therefore runs in ``on_before_optimizer_step``, on the layers the stepping optimizer owns
+(several optimizers and manual optimization work the same way). Clipping then acts on the
+preconditioned gradient, which is the one the optimizer uses.
+
+Skipped steps. The running statistics computed in a step are committed from the optimizer's
+step post-hook, which PyTorch runs only when ``optimizer.step`` really happens: a step the
+``GradScaler`` skips for non-finite gradients leaves the statistics untouched.
+
+.. math::
+    G_w[i, j] \\leftarrow \\frac{G_w[i, j] - μ_j G_b[i]}{q^2 \\tilde σ_j^2}, \\qquad
+    G_b[i] \\leftarrow \\frac{G_b[i]}{q^2} - \\sum_j μ_j G_w[i, j]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    SingleDeviceStrategy,
+    SingleDeviceXLAStrategy,
+    XLAStrategy,
+)
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_bnp.core.preconditioner import (
+    DEFAULT_LAYER_TYPES,
+    BNPPreconditioner,
+    PendingUpdate,
+    validate_bnp_arguments,
+)
+from lightning_bnp.core.selection import validate_layer_types
+
+__all__ = ["BatchNormPreconditioning"]
+
+
+class BatchNormPreconditioning(Callback):
+    """Precondition the gradients of Linear/ConvNd layers with BNP (Lange, Helfrich & Ye, 2022).
+
+    Args:
+        rho: running-average factor ρ ∈ [0, 1) (paper: 0.99).
+        eps1: ε1 > 0 in σ̃² = σ² + ε1·max(σ²) + ε2 (paper: 1e-2).
+        eps2: ε2 > 0 (paper: 1e-4).
+        statistics: ``"running"`` (the paper's Alg. 2/3) or ``"batch"`` (this step's statistics;
+            an error for a dense layer that sees one sample).
+        bias_correction: divide the running averages by 1 − ρ^t instead of starting from the
+            paper's μ = 0, σ² = 1 (see the README for the benchmark behind the default);
+            ``False`` is exactly the paper.
+        layer_types: layer classes to manage, from ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d``
+            (default: all four).
+        include: glob patterns of module names to manage (default: every layer of those types).
+        exclude: glob patterns of module names to leave alone.
+        sync_statistics: under DDP, pool each step's statistics over all ranks (one collective)
+            so that every rank applies the same preconditioner to the all-reduced gradient.
+
+    Raises:
+        ValueError: an argument is out of range, or (at setup) a pattern matches no layer.
+        RuntimeError: (at setup) an unsupported strategy; (at fit start) LBFGS, or a layer whose weight
+            and bias are in different optimizers. Lightning itself refuses a second instance on one
+            Trainer (one ``state_key``), which would transform the gradients twice.
+
+    Example::
+
+        trainer = Trainer(callbacks=[BatchNormPreconditioning()])
+    """
+
+    def __init__(
+        self,
+        *,
+        rho: float = 0.99,
+        eps1: float = 1e-2,
+        eps2: float = 1e-4,
+        statistics: Literal["running", "batch"] = "running",
+        bias_correction: bool = True,
+        layer_types: Optional[list[str]] = None,
+        include: Optional[list[str]] = None,
+        exclude: Optional[list[str]] = None,
+        sync_statistics: bool = True,
+    ) -> None:
+        validate_bnp_arguments(rho, eps1, eps2, statistics)
+        self.layer_types = list(DEFAULT_LAYER_TYPES) if layer_types is None else list(layer_types)
+        validate_layer_types(self.layer_types)
+        for arg, patterns in (("include", include), ("exclude", exclude)):
+            if patterns is not None and not patterns:
+                raise ValueError(f"`{arg}` must be None or a non-empty list of patterns, got []")
+        self.rho, self.eps1, self.eps2 = rho, eps1, eps2
+        self.statistics: Literal["running", "batch"] = statistics
+        self.bias_correction = bias_correction
+        self.include, self.exclude = include, exclude
+        self.sync_statistics = sync_statistics
+        self.preconditioner: BNPPreconditioner | None = None
+        self._model: torch.nn.Module | None = None
+        self._loaded_state: dict[str, Any] | None = None
+        self._pending: dict[int, PendingUpdate] = {}
+        self._step_hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._check_strategy(trainer)
+        if self.preconditioner is None or self._model is not pl_module:
+            self.preconditioner = BNPPreconditioner(
+                pl_module,
+                rho=self.rho,
+                eps1=self.eps1,
+                eps2=self.eps2,
+                statistics=self.statistics,
+                bias_correction=self.bias_correction,
+                layer_types=self.layer_types,
+                include=self.include,
+                exclude=self.exclude,
+                sync_statistics=self.sync_statistics,
+            )
+            self._model = pl_module
+        self.preconditioner.attach()
+        if self._loaded_state is not None:
+            self.preconditioner.load_state_dict(self._loaded_state)
+            self._loaded_state = None
+
+    @staticmethod
+    def _check_strategy(trainer: pl.Trainer) -> None:
+        strategy = trainer.strategy
+        sharded_or_xla = (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)
+        if isinstance(strategy, sharded_or_xla) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+            raise RuntimeError(
+                f"BatchNormPreconditioning does not support the {type(strategy).__name__} strategy: it "
+                "needs every rank to hold full Linear/Conv weights and gradients. Supported: a single "
+                "device, and DDP ('ddp', 'ddp_spawn', 'ddp_find_unused_parameters_true')."
+            )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.preconditioner is not None
+        owners: dict[int, int] = {}
+        for index, optimizer in enumerate(trainer.optimizers):
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise RuntimeError(
+                    "BatchNormPreconditioning cannot be used with LBFGS: LBFGS evaluates the closure "
+                    "several times per step and its line search assumes unmodified gradients."
+                )
+            for group in optimizer.param_groups:
+                owners.update({id(p): index for p in group["params"]})
+        for name, layer in self.preconditioner.layers.items():
+            weight, bias = layer.weight, layer.bias
+            if id(weight) not in owners:
+                if weight.requires_grad:
+                    rank_zero_warn(
+                        f"BNP layer {name!r} is trainable but in no optimizer; its statistics are "
+                        "computed and never used. Exclude it with `exclude`."
+                    )
+                continue
+            if bias is not None and owners.get(id(bias)) != owners[id(weight)]:
+                raise RuntimeError(
+                    f"layer {name!r} has its weight and bias in different optimizers; BNP couples them "
+                    "(eq. 15). Put both in one optimizer or exclude the layer with `exclude`."
+                )
+        self._remove_step_hooks()
+        for optimizer in trainer.optimizers:
+            self._step_hooks.append(optimizer.register_step_post_hook(self._commit))
+
+    # ------------------------------------------------------------------- step
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        assert self.preconditioner is not None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._pending[id(optimizer)] = self.preconditioner.precondition(params, commit=False)
+
+    def _commit(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        pending = self._pending.pop(id(optimizer), None)
+        if pending is not None:
+            pending.commit()
+
+    # --------------------------------------------------------------- teardown
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.preconditioner is not None:
+            self.preconditioner.detach()
+        self._remove_step_hooks()
+        self._pending.clear()
+
+    def _remove_step_hooks(self) -> None:
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks.clear()
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.preconditioner is not None:
+            return self.preconditioner.state_dict()
+        return dict(self._loaded_state or {})
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks after `setup`; applied lazily if the layers do not exist yet
+        if self.preconditioner is not None:
+            self.preconditioner.load_state_dict(state_dict)
+        else:
+            self._loaded_state = state_dict

@@ -1,0 +1,95 @@
+"""Shared test helpers: a tiny BoringModel-style classifier, data, and a `_fit` helper."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+
+def make_mlp(seed: int = 0, in_features: int = 6, hidden: int = 8, out: int = 3) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, out))
+
+
+def make_cnn(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, stride=2, groups=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 2 * 2, 3),
+    )
+
+
+def make_data(n: int = 64, shape: tuple[int, ...] = (6,), classes: int = 3, seed: int = 1) -> TensorDataset:
+    """Inputs with uneven feature scales and offsets, so BNP's transform is far from the identity."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *shape, generator=g)
+    scale = torch.logspace(-1, 1, shape[0]).view(-1, *([1] * (len(shape) - 1)))
+    x = x * scale + 0.5
+    y = torch.randint(0, classes, (n,), generator=g)
+    return TensorDataset(x, y)
+
+
+class BoringClassifier(pl.LightningModule):
+    """Cross-entropy on a given network with plain SGD."""
+
+    def __init__(self, network: nn.Module, lr: float = 0.1, momentum: float = 0.0) -> None:
+        super().__init__()
+        self.network = network
+        self.lr = lr
+        self.momentum = momentum
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        return self.network(x)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+def _fit(
+    tmp_path: Path,
+    model: pl.LightningModule,
+    data: TensorDataset,
+    *,
+    batch_size: int,
+    callbacks: list[pl.Callback] | None = None,
+    ckpt_path: str | None = None,
+    **trainer_kwargs: Any,
+) -> pl.Trainer:
+    """Fit on CPU without logger, progress bar or summary; extra kwargs go to the Trainer."""
+    defaults: dict[str, Any] = dict(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    defaults.update(trainer_kwargs)
+    trainer = pl.Trainer(callbacks=callbacks or [], **defaults)
+    trainer.fit(model, DataLoader(data, batch_size=batch_size, shuffle=False), ckpt_path=ckpt_path)
+    return trainer
