@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine with Python ≥ 3.10 and pip:
+#   make demo   – trains the paper's FC network with BNP on the bundled digits, writes TensorBoard logs
+#   make test   – ruff, mypy and the pytest suite
+# Both create (or refresh, when pyproject.toml changes) the virtual environment in .venv.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -e '.[dev,examples]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m example_projects.fc_digits
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -p no:cacheprovider
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.overhead
+	$(BIN)/python -m benchmarks.warm_start
+	$(BIN)/python -m benchmarks.warm_start --pixel-scale 16
+
+clean:
+	rm -rf $(VENV) runs benchmarks/out .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Runnable example projects for lightning_bnp (offline by default)."""
