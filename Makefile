@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.overhead
 	$(BIN)/python -m benchmarks.warm_start
 	$(BIN)/python -m benchmarks.warm_start --pixel-scale 16
+	$(BIN)/python -m benchmarks.ddp_sync
 
 clean:
 	rm -rf $(VENV) runs benchmarks/out .pytest_cache .mypy_cache .ruff_cache

@@ -37,6 +37,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from lightning_bnp.core.selection import select_layers
 from lightning_bnp.core.statistics import Moments, RunningStatistics, moments_of_input, statistics_dtype
@@ -78,6 +79,11 @@ class _Layer:
 
     @property
     def weight(self) -> Tensor:
+        """The trainable weight leaf: ``parametrizations.weight.original`` under
+        ``torch.nn.utils.parametrize`` (e.g. Weight Conditioning), else ``weight``. Looked up at
+        use time, so a parametrization registered after BNP's setup is followed."""
+        if parametrize.is_parametrized(self.module, "weight"):
+            return self.module.parametrizations.weight.original  # type: ignore[union-attr,return-value]
         return self.module.weight  # type: ignore[return-value]
 
     @property
@@ -163,7 +169,7 @@ class BNPPreconditioner:
         self.attach()
 
     def _make_layer(self, name: str, module: nn.Module) -> _Layer:
-        weight: Tensor = module.weight  # type: ignore[assignment]
+        weight: Tensor = module.weight  # type: ignore[assignment]  # shape and dtype only
         bias = module.bias
         if isinstance(module, nn.Linear):
             groups, features = 1, module.in_features
@@ -209,7 +215,7 @@ class BNPPreconditioner:
     def _make_hook(self, layer: _Layer) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
             # statistics only from training forward passes that build a graph for a gradient
-            if not (self._collecting and module.training and torch.is_grad_enabled() and module.weight.requires_grad):
+            if not (self._collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad):
                 return
             with torch.no_grad():
                 part = moments_of_input(module, args[0], output)

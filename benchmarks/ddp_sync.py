@@ -1,0 +1,92 @@
+"""Cost of synchronising BNP statistics across DDP ranks: step time with syncing on vs off.
+
+Two CPU processes (gloo) train the paper's FC network and 5-layer CNN under plain-torch
+``DistributedDataParallel`` with :class:`BNPPreconditioner`, alternating ``sync_statistics=True``
+and ``False`` round by round in the same processes so that drift affects both equally. Rank 0
+writes ``benchmarks/out/ddp_sync.md`` and prints the on/off ratio per model and batch size.
+(Without syncing, each rank builds P from its own shard and the replicas drift apart — see the
+README; this measures only what the correct setting costs.)
+
+Run: ``python -m benchmarks.ddp_sync [--steps 30] [--rounds 5]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from example_projects.models import cnn5, fc_network
+from lightning_bnp.core import BNPPreconditioner
+
+OUT = Path(__file__).parent / "out"
+CASES = [("FC 3×100", 16), ("FC 3×100", 256), ("CNN 5-layer", 2), ("CNN 5-layer", 128)]
+
+
+def time_steps(model: nn.Module, pre: BNPPreconditioner, batch: int, steps: int) -> float:
+    """Median seconds per training step (forward, backward with all-reduce, BNP, SGD)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.rand(batch, 1, 8, 8), torch.randint(0, 10, (batch,))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def worker(rank: int, world: int, steps: int, rounds: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    rows = []
+    for name, batch in CASES:
+        torch.manual_seed(0)
+        net = fc_network() if name.startswith("FC") else cnn5()
+        model = DistributedDataParallel(net)
+        pre_on = BNPPreconditioner(net, sync_statistics=True)
+        pre_off = BNPPreconditioner(net, sync_statistics=False)
+        on, off = [], []
+        for _ in range(rounds):  # interleave: drift hits both variants alike
+            with pre_off.paused():
+                on.append(time_steps(model, pre_on, batch, steps))
+            with pre_on.paused():
+                off.append(time_steps(model, pre_off, batch, steps))
+        rows.append((name, batch, statistics.median(on), statistics.median(off)))
+    if rank == 0:
+        lines = [
+            f"# BNP statistics sync under DDP: 2 CPU processes (gloo), 1 thread each, median of {rounds} rounds "
+            f"× {steps} steps\n",
+            "| model | per-rank batch | sync on (ms/step) | sync off (ms/step) | on / off |",
+            "|---|---|---|---|---|",
+        ]
+        for name, batch, t_on, t_off in rows:
+            lines.append(f"| {name} | {batch} | {1e3 * t_on:.2f} | {1e3 * t_off:.2f} | {t_on / t_off:.3f} |")
+        OUT.mkdir(exist_ok=True)
+        (OUT / "ddp_sync.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--port", type=int, default=29533)
+    args = parser.parse_args()
+    mp.spawn(worker, args=(2, args.steps, args.rounds, args.port), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()

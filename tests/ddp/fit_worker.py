@@ -1,0 +1,102 @@
+"""Fit the test classifier with BNP under a given strategy and save every rank's final state.
+
+Run as a script (Lightning's ``ddp`` launcher re-executes it for the other ranks)::
+
+    python -m tests.ddp.fit_worker --strategy ddp --devices 2 --net mlp --batch-size 8 --epochs 2 --out DIR
+
+Each rank writes ``DIR/rank{r}.pt`` with the model's parameters and the BNP statistics at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from typing_extensions import override
+
+from lightning_bnp import BatchNormPreconditioning
+from tests.helpers import BoringClassifier, make_cnn, make_data, make_mlp
+
+NETS = {"mlp": (make_mlp, (6,)), "cnn": (make_cnn, (2, 6, 6))}
+
+
+class OrderedData(pl.LightningDataModule):
+    """Rank r of W takes samples r, r+W, r+2W, …: per step the ranks' batches of b are exactly the
+    single-process batch of W·b (Lightning's own distributed sampler would shuffle)."""
+
+    def __init__(self, data: Dataset, batch_size: int) -> None:
+        super().__init__()
+        self.data, self.batch_size = data, batch_size
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        sampler = DistributedSampler(
+            self.data, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+        )
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
+
+
+class SaveFinalState(pl.Callback):
+    def __init__(self, out: Path, bnp: BatchNormPreconditioning) -> None:
+        self.out, self.bnp = out, bnp
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.bnp.preconditioner is not None
+        state: dict[str, Any] = {
+            "params": {k: v.detach().cpu().clone() for k, v in pl_module.named_parameters()},
+            "bnp": self.bnp.preconditioner.state_dict(),
+            "global_step": trainer.global_step,
+            "world_size": trainer.world_size,
+        }
+        torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--net", choices=sorted(NETS), default="mlp")
+    parser.add_argument("--batch-size", type=int, default=8, help="per rank")
+    # epochs, not steps: Lightning does not resume a run stopped by `max_steps` exactly
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--n", type=int, default=320)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ckpt-in", default=None)
+    parser.add_argument("--ckpt-dir", type=Path, default=None)
+    parser.add_argument("--no-sync", action="store_true")
+    parser.add_argument("--statistics", choices=["running", "batch"], default="running")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    make_net, shape = NETS[args.net]
+    bnp = BatchNormPreconditioning(sync_statistics=not args.no_sync, statistics=args.statistics)
+    callbacks: list[pl.Callback] = [bnp, SaveFinalState(args.out, bnp)]
+    if args.ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=args.strategy,
+        max_epochs=args.epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=args.ckpt_dir is not None,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
+    model = BoringClassifier(make_net(), momentum=0.9)
+    data = make_data(n=args.n, shape=shape)
+    trainer.fit(model, datamodule=OrderedData(data, args.batch_size), ckpt_path=args.ckpt_in)
+
+
+if __name__ == "__main__":
+    main()
