@@ -21,7 +21,7 @@ step post-hook, which PyTorch runs only when ``optimizer.step`` really happens: 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -45,7 +45,17 @@ from lightning_bnp.core.preconditioner import (
 )
 from lightning_bnp.core.selection import validate_layer_types
 
-__all__ = ["BatchNormPreconditioning"]
+__all__ = ["BatchNormPreconditioning", "StepRegularizer"]
+
+
+class StepRegularizer(Protocol):
+    """What BNP calls around its transform (``ZSpaceRegularization`` registers itself at setup)."""
+
+    def before_precondition(self, optimizer: Optimizer) -> None: ...
+
+    def after_precondition(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pre: BNPPreconditioner
+    ) -> None: ...
 
 
 class BatchNormPreconditioning(Callback):
@@ -107,6 +117,7 @@ class BatchNormPreconditioning(Callback):
         self._loaded_state: dict[str, Any] | None = None
         self._pending: dict[int, PendingUpdate] = {}
         self._step_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.regularizer: StepRegularizer | None = None  # set by ZSpaceRegularization.setup
 
     # ------------------------------------------------------------------ setup
     @override
@@ -181,7 +192,11 @@ class BatchNormPreconditioning(Callback):
     ) -> None:
         assert self.preconditioner is not None
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.regularizer is not None:
+            self.regularizer.before_precondition(optimizer)
         self._pending[id(optimizer)] = self.preconditioner.precondition(params, commit=False)
+        if self.regularizer is not None:  # z-space terms need this step's M
+            self.regularizer.after_precondition(trainer, pl_module, optimizer, self.preconditioner)
 
     def _commit(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         pending = self._pending.pop(id(optimizer), None)

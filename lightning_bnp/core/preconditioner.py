@@ -43,7 +43,14 @@ from lightning_bnp.core.selection import select_layers
 from lightning_bnp.core.statistics import Moments, RunningStatistics, moments_of_input, statistics_dtype
 from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
 
-__all__ = ["DEFAULT_LAYER_TYPES", "BNPPreconditioner", "BNPWarning", "PendingUpdate", "validate_bnp_arguments"]
+__all__ = [
+    "DEFAULT_LAYER_TYPES",
+    "BNPPreconditioner",
+    "BNPWarning",
+    "PendingUpdate",
+    "StepTransform",
+    "validate_bnp_arguments",
+]
 
 DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 StatisticsMode = Literal["running", "batch"]
@@ -66,6 +73,21 @@ def validate_bnp_arguments(rho: float, eps1: float, eps2: float, statistics: str
 
 
 @dataclass
+class StepTransform:
+    """The factors of M = (1/q²)·P·Pᵀ that one layer used in the latest step (so that other
+    vectors, e.g. a weight-decay or Hessian-vector term, can be mapped by the same M)."""
+
+    mu: Tensor | None  # None: no centring block (no bias, or no bias gradient)
+    var_t: Tensor
+    q2: float
+    groups: int
+
+    def apply_(self, vec_w: Tensor, vec_b: Tensor | None) -> None:
+        """vec ← M·vec in place; ``vec_b`` is ignored (may be None) when there is no centring block."""
+        precondition_(vec_w, vec_b if self.mu is not None else None, self.mu, self.var_t, self.q2, self.groups)
+
+
+@dataclass
 class _Layer:
     name: str
     module: nn.Module
@@ -73,9 +95,9 @@ class _Layer:
     groups: int
     fan_in: int  # weight[0].numel(): c_in/groups · kernel volume, or in_features
     features: int  # length of μ: in_features or c_in
-    dtype: torch.dtype  # of the statistics
     running: RunningStatistics
     moments: Moments | None = None
+    transform: StepTransform | None = None  # what the latest step applied
 
     @property
     def weight(self) -> Tensor:
@@ -85,6 +107,11 @@ class _Layer:
         if parametrize.is_parametrized(self.module, "weight"):
             return self.module.parametrizations.weight.original  # type: ignore[union-attr,return-value]
         return self.module.weight  # type: ignore[return-value]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Statistics dtype; follows the model if it is cast after BNP was set up (e.g. "64-true")."""
+        return statistics_dtype(self.weight.dtype)
 
     @property
     def bias(self) -> Tensor | None:
@@ -181,7 +208,7 @@ class BNPPreconditioner:
             features, rho=self.rho, bias_correction=self.bias_correction, device=weight.device, dtype=dtype
         )
         has_bias = isinstance(bias, Tensor)
-        return _Layer(name, module, has_bias, groups, weight[0].numel(), features, dtype, running)
+        return _Layer(name, module, has_bias, groups, weight[0].numel(), features, running)
 
     # ------------------------------------------------------------------ hooks
     def attach(self) -> None:
@@ -245,6 +272,7 @@ class BNPPreconditioner:
         pooled = self._pool(active)
         for layer in layers:
             layer.moments = None
+            layer.transform = None
         pending = PendingUpdate()
         for layer, moments in zip(active, pooled):
             if moments.rows == 0:
@@ -255,14 +283,11 @@ class BNPPreconditioner:
             grad_w = layer.weight.grad
             assert grad_w is not None  # `active` holds layers with a weight gradient
             grad_b = layer.bias.grad if layer.bias is not None else None
-            precondition_(
-                grad_w,
-                grad_b,
-                mu if grad_b is not None else None,
-                var_tilde(var, self.eps1, self.eps2),
-                q2,
-                layer.groups,
+            transform = StepTransform(
+                mu if grad_b is not None else None, var_tilde(var, self.eps1, self.eps2), q2, layer.groups
             )
+            transform.apply_(grad_w, grad_b)
+            layer.transform = transform
         if commit:
             pending.commit()
         return pending
@@ -270,7 +295,7 @@ class BNPPreconditioner:
     def _statistics_for_step(self, layer: _Layer, moments: Moments, pending: PendingUpdate) -> tuple[Tensor, Tensor]:
         """μ and σ² that P uses this step (Alg. 2/3 steps 1–2)."""
         running = layer.running
-        running.to(moments.mean.device)
+        running.to(moments.mean.device, moments.mean.dtype)
         if layer.has_bias:
             mu_h = moments.mean
             if moments.rows > 1:
@@ -335,6 +360,16 @@ class BNPPreconditioner:
             BNPWarning,
             stacklevel=2,
         )
+
+    def step_transforms(self, params: Iterable[Tensor]) -> dict[int, tuple[_Layer, StepTransform]]:
+        """``{id(weight): (layer, transform)}`` for the layers among ``params`` that the latest
+        :meth:`precondition` transformed; parameters not listed have M = I."""
+        ids = {id(p) for p in params}
+        return {
+            id(layer.weight): (layer, layer.transform)
+            for layer in self.layers.values()
+            if layer.transform is not None and id(layer.weight) in ids
+        }
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

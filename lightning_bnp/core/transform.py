@@ -76,8 +76,8 @@ def precondition_(
         groups: convolution groups (1 for Linear).
     """
     dtype = grad_w.dtype
-    # 1/(q² σ̃²) is formed in float32 and applied in the gradient's dtype
-    inv = _per_weight_view((1.0 / (q2 * var_t)).to(dtype), grad_w, groups)
+    # 1/(q² σ̃²) is formed in the statistics' dtype (float32 or float64) and applied in the gradient's
+    inv = _per_weight_view((var_t * q2).reciprocal_().to(dtype), grad_w, groups)
     if grad_b is None or mu is None:
         grad_w.mul_(inv)
         return

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 from lightning_bnp import BatchNormPreconditioning
+from lightning_bnp.callbacks.regularization import ZSpaceRegularization
 from tests.helpers import BoringClassifier, make_cnn, make_data, make_mlp
 
 NETS = {"mlp": (make_mlp, (6,)), "cnn": (make_cnn, (2, 6, 6))}
@@ -71,12 +72,15 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", type=Path, default=None)
     parser.add_argument("--no-sync", action="store_true")
     parser.add_argument("--statistics", choices=["running", "batch"], default="running")
+    parser.add_argument("--gradient-penalty", type=float, default=0.0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     make_net, shape = NETS[args.net]
     bnp = BatchNormPreconditioning(sync_statistics=not args.no_sync, statistics=args.statistics)
     callbacks: list[pl.Callback] = [bnp, SaveFinalState(args.out, bnp)]
+    if args.gradient_penalty > 0:
+        callbacks.append(ZSpaceRegularization(gradient_penalty=args.gradient_penalty))
     if args.ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0))
     trainer = pl.Trainer(

@@ -1,0 +1,269 @@
+"""Regularization in BNP's preconditioned variable z as a Lightning callback (paper 001, eqs. 9–12).
+
+With p = P·z and M = (1/q²)·P·Pᵀ from BNP (identity for parameters BNP does not manage):
+
+.. math::
+    g \\leftarrow M∇L + 2λ_{wd}\\,p \\quad (\\text{decay in } z) \\qquad
+    g \\leftarrow M(∇L + 2λ_{wd}\\,p) \\quad (\\text{L2 in } p) \\qquad
+    g \\leftarrow M∇L + 2λ_{gr}\\,M∇^2L\\,M∇L \\quad (\\text{gradient regularization in } z)
+
+Cooperation with :class:`~lightning_bnp.BatchNormPreconditioning`: the terms need this step's M,
+so when both callbacks are on the Trainer (in any order) this callback registers itself with BNP at
+setup and BNP calls it right after its own transform, inside one ``on_before_optimizer_step``.
+Without BNP, M = I and the callback acts on its own in that hook. Either way it runs once per
+optimizer step on unscaled gradients (after accumulation and AMP unscaling, before clipping).
+
+Gradient regularization re-runs ``training_step`` on the step's batches (every accumulated
+micro-batch, with the RNG state each had, the loss divided as Lightning divides it) to form ∇²L·v:
+BNP statistics are paused and ``self.log`` is silenced meanwhile, so nothing is recorded twice;
+under DDP the product is averaged over ranks. Metric objects updated inside ``training_step`` are
+updated again by that re-run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
+from lightning_bnp.core.preconditioner import BNPPreconditioner
+from lightning_bnp.core.regularization import HVPMethod, all_reduce_mean_, hessian_vector_product
+
+__all__ = ["ZSpaceRegularization"]
+
+_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+
+
+class ZSpaceRegularization(Callback):
+    """Weight decay and gradient regularization in BNP's preconditioned variable z.
+
+    Args:
+        weight_decay: λ_wd ≥ 0 of the decay term (0 turns it off).
+        decay_space: ``"z"`` (the paper's recommendation: g = M∇L + 2λp) or ``"p"`` (L2 on the
+            original parameters, for comparison: g = M(∇L + 2λp)).
+        gradient_penalty: λ_gr ≥ 0 of R(z) = ‖∇_z L‖² (0 turns it off; costs about one extra
+            forward/backward per step with ``hvp="finite_difference"``).
+        hvp: how ∇²L·v is formed: ``"finite_difference"`` (one extra forward/backward) or
+            ``"double_backprop"`` (exact, about two).
+        fd_step: norm of the parameter perturbation of the finite difference.
+        exclude_bias_and_norm: do not decay biases or the parameters of normalization layers
+            (BatchNorm/LayerNorm/GroupNorm), as is usual for weight decay.
+
+    Raises:
+        ValueError: an argument is out of range or both terms are off.
+        RuntimeError: (at fit start) gradient regularization with manual optimization, or an
+            optimizer that unscales AMP gradients inside ``step`` (decay would see scaled gradients).
+
+    Example::
+
+        Trainer(callbacks=[BatchNormPreconditioning(), ZSpaceRegularization(weight_decay=5e-4)])
+    """
+
+    def __init__(
+        self,
+        *,
+        weight_decay: float = 0.0,
+        decay_space: Literal["z", "p"] = "z",
+        gradient_penalty: float = 0.0,
+        hvp: Literal["finite_difference", "double_backprop"] = "finite_difference",
+        fd_step: float = 1e-3,
+        exclude_bias_and_norm: bool = True,
+    ) -> None:
+        for name, value in (("weight_decay", weight_decay), ("gradient_penalty", gradient_penalty)):
+            if not value >= 0.0:
+                raise ValueError(f"`{name}` must be >= 0, got {value}")
+        if weight_decay == 0.0 and gradient_penalty == 0.0:
+            raise ValueError("`weight_decay` and `gradient_penalty` are both 0: the callback would do nothing")
+        if decay_space not in ("z", "p"):
+            raise ValueError(f"`decay_space` must be 'z' or 'p', got {decay_space!r}")
+        if hvp not in ("finite_difference", "double_backprop"):
+            raise ValueError(f"`hvp` must be 'finite_difference' or 'double_backprop', got {hvp!r}")
+        if not fd_step > 0.0:
+            raise ValueError(f"`fd_step` must be > 0, got {fd_step}")
+        self.weight_decay, self.decay_space = weight_decay, decay_space
+        self.gradient_penalty, self.fd_step = gradient_penalty, fd_step
+        self.hvp: HVPMethod = hvp
+        self.exclude_bias_and_norm = exclude_bias_and_norm
+        self._bnp: BatchNormPreconditioning | None = None
+        self._no_decay: set[int] = set()
+        self._batches: list[tuple[Any, int, Tensor, list[Tensor]]] = []
+        self._raw_grads: dict[int, Tensor] = {}
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        bnps = [cb for cb in trainer.callbacks if isinstance(cb, BatchNormPreconditioning)]  # type: ignore[attr-defined]
+        self._bnp = bnps[0] if bnps else None
+        if self._bnp is not None:
+            self._bnp.regularizer = self  # BNP calls `after_precondition` right after its transform
+        self._no_decay = set()
+        if self.exclude_bias_and_norm:
+            for module in pl_module.modules():
+                for name, param in module.named_parameters(recurse=False):
+                    if name == "bias" or isinstance(module, _NORM_TYPES):
+                        self._no_decay.add(id(param))
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.gradient_penalty > 0 and not pl_module.automatic_optimization:
+            raise RuntimeError(
+                "ZSpaceRegularization(gradient_penalty>0) re-runs `training_step` to form the Hessian-vector "
+                "product, which manual optimization (it steps inside `training_step`) does not allow. Use "
+                "automatic optimization or set gradient_penalty=0."
+            )
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        for optimizer in trainer.optimizers:
+            if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} unscales AMP gradients inside `step`, so the regularization "
+                    "would act on scaled gradients. Use a non-fused optimizer or bf16 precision."
+                )
+            decays = [group.get("weight_decay", 0.0) for group in optimizer.param_groups]
+            if self.weight_decay > 0 and any(d > 0 for d in decays):
+                rank_zero_warn(
+                    f"{type(optimizer).__name__} has weight_decay={max(decays)} and ZSpaceRegularization has "
+                    f"weight_decay={self.weight_decay}: parameters are decayed twice. Set one of them to 0."
+                )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self._bnp is not None:
+            self._bnp.regularizer = None
+        self._batches.clear()
+
+    # ------------------------------------------------------------- the batch
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.gradient_penalty > 0:
+            cuda = (
+                [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
+                if torch.cuda.is_initialized()
+                else []
+            )
+            self._batches.append((batch, batch_idx, torch.get_rng_state(), cuda))
+
+    # ------------------------------------------------------------------- step
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if self._bnp is None:  # no BNP: M = I, act alone
+            self.before_precondition(optimizer)
+            self.after_precondition(trainer, pl_module, optimizer, None)
+
+    def before_precondition(self, optimizer: Optimizer) -> None:
+        """Keep ∇L(θ) for the finite-difference Hessian-vector product before BNP overwrites it."""
+        if self.gradient_penalty > 0 and self.hvp == "finite_difference":
+            self._raw_grads = {
+                id(p): p.grad.detach().clone()
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if p.grad is not None
+            }
+
+    def after_precondition(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pre: BNPPreconditioner | None
+    ) -> None:
+        """Add the regularization terms to the gradients, which already hold M·∇L."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        transforms = pre.step_transforms(params) if pre is not None else {}
+
+        def apply_m_(terms: dict[int, Tensor]) -> None:
+            """terms ← M·terms, layer by layer (M = I elsewhere)."""
+            for weight_id, (layer, transform) in transforms.items():
+                vec_b = terms.get(id(layer.bias)) if layer.bias is not None else None
+                transform.apply_(terms[weight_id], vec_b)
+
+        extra: dict[int, Tensor] = {}
+        if self.gradient_penalty > 0:
+            # v = M∇L; term = 2λ·M·∇²L·v
+            grads = [p.grad for p in params if p.grad is not None]
+            hv = self._hessian_vector_product(trainer, pl_module, params, grads, pre)
+            extra = {id(p): h.mul_(2 * self.gradient_penalty) for p, h in zip(params, hv)}
+            apply_m_(extra)
+        self._batches.clear()
+        if self.weight_decay > 0:
+            decay = {id(p): p.detach() * (2 * self.weight_decay) for p in params if id(p) not in self._no_decay}
+            if self.decay_space == "p":
+                for layer, _ in transforms.values():  # an excluded bias still receives M's mixing of w
+                    if layer.bias is not None and id(layer.bias) not in decay and layer.bias.grad is not None:
+                        decay[id(layer.bias)] = torch.zeros_like(layer.bias)
+                apply_m_(decay)
+            for key, term in decay.items():
+                extra[key] = extra[key].add_(term) if key in extra else term
+        for p in params:
+            if id(p) in extra:
+                p.grad.add_(extra[id(p)])
+
+    def _hessian_vector_product(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        params: list[Tensor],
+        vectors: list[Tensor],
+        pre: BNPPreconditioner | None,
+    ) -> list[Tensor]:
+        batches = list(self._batches)
+        accumulate = trainer.accumulate_grad_batches
+
+        def loss_fn() -> Tensor:
+            total = torch.zeros((), device=params[0].device)
+            for batch, batch_idx, cpu_state, cuda_states in batches:
+                with torch.random.fork_rng(devices=list(range(len(cuda_states)))):
+                    torch.set_rng_state(cpu_state)  # same dropout masks as the step's forward
+                    for device, state in enumerate(cuda_states):
+                        torch.cuda.set_rng_state(state, device)
+                    with trainer.precision_plugin.train_step_context():
+                        out = pl_module.training_step(batch, batch_idx)
+                loss = out["loss"] if isinstance(out, dict) else out
+                if not isinstance(loss, Tensor):
+                    raise RuntimeError(
+                        "ZSpaceRegularization(gradient_penalty>0) needs `training_step` to return the loss"
+                    )
+                total = total + loss / accumulate
+            return total
+
+        # ∇L(θ) of the training step (saved before M was applied) spares the finite difference a pass
+        raw = [self._raw_grads[id(p)] for p in params] if self.hvp == "finite_difference" else None
+        self._raw_grads = {}
+        with ExitStack() as stack:
+            stack.enter_context(pre.paused() if pre is not None else nullcontext())
+            stack.enter_context(_silenced_logging(pl_module))
+            return hessian_vector_product(
+                loss_fn,
+                params,
+                [v.detach().clone() for v in vectors],
+                method=self.hvp,
+                grads_at_params=raw,
+                fd_step=self.fd_step,
+                reduce_=all_reduce_mean_,
+            )
+
+
+@contextmanager
+def _silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``self.log``/``self.log_dict`` do nothing while ``training_step`` is re-run."""
+    pl_module.log = _no_log  # type: ignore[method-assign]
+    pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log
+        del pl_module.log_dict
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None

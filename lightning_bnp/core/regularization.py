@@ -1,0 +1,116 @@
+"""Regularization in the preconditioned variable z (paper 001, "Regularization with
+Preconditioning" and "Gradient Regularization", eqs. 9–12).
+
+BNP is gradient descent in z with p = P·z, i.e. p ← p − α·M·∇L with M = (1/q²)·P·Pᵀ (identity for
+parameters BNP does not manage). Regularizing in z or in p gives different updates:
+
+.. math::
+    \\text{weight decay in } z\\ (λ\\|z\\|^2):\\quad g = M∇L + 2λp \\qquad
+    \\text{L2 in } p\\ (λ\\|p\\|^2):\\quad g = M(∇L + 2λp)
+
+    \\text{gradient regularization in } z\\ (λ\\|∇_z L\\|^2):\\quad g = M∇L + 2λ\\,M∇^2L\\,M∇L
+
+This module holds the pure-torch pieces: the Hessian-vector product (exact double backprop, or a
+forward difference that costs one extra forward/backward) and a DDP average of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["HVPMethod", "all_reduce_mean_", "hessian_vector_product"]
+
+HVPMethod = Literal["finite_difference", "double_backprop"]
+
+
+def _global_norm(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors]))
+
+
+def hessian_vector_product(
+    loss_fn: Callable[[], Tensor],
+    params: Sequence[Tensor],
+    vectors: Sequence[Tensor],
+    *,
+    method: HVPMethod,
+    grads_at_params: Sequence[Tensor] | None = None,
+    fd_step: float = 1e-3,
+    reduce_: Callable[[Sequence[Tensor]], None] | None = None,
+) -> list[Tensor]:
+    """∇²L·v for the loss ``loss_fn()`` with respect to ``params``.
+
+    Args:
+        loss_fn: recomputes the loss on the step's batch (no side effects on training state).
+        params: leaf tensors the Hessian is taken with respect to.
+        vectors: v, one tensor per parameter.
+        method: ``"double_backprop"`` (exact: backward through the gradient, ~2 extra passes) or
+            ``"finite_difference"``: (∇L(θ + εv) − ∇L(θ)) / ε with ε = ``fd_step`` / ‖v‖, so the
+            parameters move by a step of norm ``fd_step``; one extra forward/backward when
+            ``grads_at_params`` (∇L(θ), already computed by the training step) is given.
+        grads_at_params: ∇L(θ) for ``"finite_difference"``, already reduced over ranks (as the
+            training step's gradient is); recomputed locally when ``None``.
+        fd_step: norm of the finite-difference perturbation.
+        reduce_: in-place reduction over data-parallel ranks (e.g. :func:`all_reduce_mean_`), applied
+            to whatever is computed from the local batch, so the result is the global product.
+
+    Returns:
+        The product, one tensor per parameter. The parameters are restored bit for bit.
+    """
+    params = list(params)
+    if method == "double_backprop":
+        with torch.enable_grad():
+            grads = torch.autograd.grad(loss_fn(), params, create_graph=True, allow_unused=True)
+            dot = sum(((g * v).sum() for g, v in zip(grads, vectors) if g is not None), torch.zeros(()))
+            hv = torch.autograd.grad(dot, params, allow_unused=True) if dot.requires_grad else [None] * len(params)
+        product = [torch.zeros_like(p) if h is None else h.detach() for p, h in zip(params, hv)]
+        if reduce_ is not None:
+            reduce_(product)
+        return product
+    if method != "finite_difference":
+        raise ValueError(f"`method` must be 'finite_difference' or 'double_backprop', got {method!r}")
+    norm = float(_global_norm(vectors))
+    if norm == 0.0:
+        return [torch.zeros_like(p) for p in params]
+    local_base = grads_at_params is None
+    base = _grads(loss_fn, params) if grads_at_params is None else list(grads_at_params)
+    eps = fd_step / norm
+    saved = [p.detach().clone() for p in params]
+    try:
+        with torch.no_grad():
+            torch._foreach_add_([p.data for p in params], list(vectors), alpha=eps)
+        shifted = _grads(loss_fn, params)
+    finally:
+        with torch.no_grad():  # restore exactly: (p + εv) − εv is not p in floating point
+            for p, s in zip(params, saved):
+                p.data.copy_(s)
+    if reduce_ is not None and not local_base:
+        reduce_(shifted)  # global ∇L(θ + εv) against the global ∇L(θ)
+    product = [(gs - g0) / eps for gs, g0 in zip(shifted, base)]
+    if reduce_ is not None and local_base:
+        reduce_(product)
+    return product
+
+
+def _grads(loss_fn: Callable[[], Tensor], params: list[Tensor]) -> list[Tensor]:
+    with torch.enable_grad():
+        grads = torch.autograd.grad(loss_fn(), params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)]
+
+
+def all_reduce_mean_(tensors: Sequence[Tensor]) -> None:
+    """Average ``tensors`` over the ranks of the default process group, in place, with one
+    flattened collective (DDP averages gradients the same way). No-op without distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

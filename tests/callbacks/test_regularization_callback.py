@@ -1,0 +1,233 @@
+"""ZSpaceRegularization: each mode's SGD step equals its formula with explicit matrices (paper 001)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_bnp import BatchNormPreconditioning
+from lightning_bnp.callbacks.regularization import ZSpaceRegularization
+from tests.helpers import BoringClassifier, _fit, make_data
+
+LR, BATCH = 0.1, 4
+
+
+def make_net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.LayerNorm(4), nn.Linear(4, 3))
+
+
+def explicit_step_quantities(net: nn.Sequential, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """g = ∇L, the full Hessian H and the block-diagonal M = (1/q²)PPᵀ of the first BNP step, built
+    independently of the package: batch statistics (bias-corrected running averages after one step),
+    explicit P per output neuron, identity for the LayerNorm parameters."""
+    net = net.double()
+    x = x.double()
+    names = [n for n, _ in net.named_parameters()]
+    shapes = [p.shape for p in net.parameters()]
+    sizes = [p.numel() for p in net.parameters()]
+    offsets = dict(zip(names, torch.tensor([0, *sizes]).cumsum(0).tolist()))
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    def loss_of(theta: Tensor) -> Tensor:
+        pieces = dict(zip(names, (t.view(s) for t, s in zip(theta.split(sizes), shapes))))
+        return nn.functional.cross_entropy(torch.func.functional_call(net, pieces, (x,)), y)
+
+    g = torch.autograd.grad(loss_of(flat.requires_grad_()), flat)[0]
+    hessian = torch.autograd.functional.hessian(loss_of, flat.detach())
+    with torch.no_grad():
+        inputs = {"0": x, "3": net[2](net[1](net[0](x)))}
+    m = torch.eye(flat.numel(), dtype=torch.float64)
+    for layer, h in inputs.items():
+        mu, var = h.mean(0), h.var(0, unbiased=False)
+        var_t = var + 1e-2 * var.max() + 1e-4
+        n_in, n_out = h.shape[1], net[int(layer)].out_features
+        q2 = max(n_in / len(h), 1.0)
+        u = torch.eye(n_in + 1, dtype=torch.float64)
+        u[0, 1:] = -mu
+        p = u @ torch.diag(torch.cat([torch.ones(1, dtype=torch.float64), var_t.rsqrt()]))
+        block = p @ p.T / q2
+        for i in range(n_out):
+            idx = [offsets[f"{layer}.bias"] + i] + [offsets[f"{layer}.weight"] + i * n_in + j for j in range(n_in)]
+            m[torch.tensor(idx)[:, None], torch.tensor(idx)[None, :]] = block
+    decay_mask = torch.zeros_like(flat)
+    for name in ("0.weight", "3.weight"):  # exclude_bias_and_norm=True keeps only the BNP weights
+        decay_mask[offsets[name] : offsets[name] + dict(zip(names, sizes))[name]] = 1.0
+    return {"p": flat.detach(), "g": g, "H": hessian, "M": m, "mask": decay_mask}
+
+
+def lightning_step(tmp_path: Path, callbacks: list[Any], net: nn.Module) -> Tensor:
+    model = BoringClassifier(net, lr=LR)
+    _fit(tmp_path, model, make_data(n=BATCH), batch_size=BATCH, callbacks=callbacks, max_steps=1, precision="64-true")
+    return torch.cat([p.detach().reshape(-1) for p in model.network.parameters()])
+
+
+@pytest.fixture(scope="module")
+def quantities() -> dict[str, Tensor]:
+    x, y = make_data(n=BATCH)[:]
+    return explicit_step_quantities(make_net(), x, y)
+
+
+LAM = 0.3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"weight_decay": LAM, "decay_space": "z"}, lambda q: q["M"] @ q["g"] + 2 * LAM * q["p"]),
+        ({"weight_decay": LAM, "decay_space": "p"}, lambda q: q["M"] @ (q["g"] + 2 * LAM * q["p"])),
+        (
+            {"weight_decay": LAM, "decay_space": "z", "exclude_bias_and_norm": True},
+            lambda q: q["M"] @ q["g"] + 2 * LAM * q["mask"] * q["p"],
+        ),
+        (
+            {"weight_decay": LAM, "decay_space": "p", "exclude_bias_and_norm": True},
+            lambda q: q["M"] @ (q["g"] + 2 * LAM * q["mask"] * q["p"]),
+        ),
+        (
+            {"gradient_penalty": LAM, "hvp": "double_backprop"},
+            lambda q: q["M"] @ q["g"] + 2 * LAM * q["M"] @ q["H"] @ q["M"] @ q["g"],
+        ),
+    ],
+)
+def test_one_sgd_step_equals_the_formula(tmp_path: Path, quantities: dict, kwargs: dict, expected: Any) -> None:
+    kwargs.setdefault("exclude_bias_and_norm", False)
+    new = lightning_step(tmp_path, [BatchNormPreconditioning(), ZSpaceRegularization(**kwargs)], make_net())
+    torch.testing.assert_close(new, quantities["p"] - LR * expected(quantities), rtol=1e-9, atol=1e-11)
+
+
+def test_finite_difference_gradient_penalty_is_close_to_the_formula(tmp_path: Path, quantities: dict) -> None:
+    reg = ZSpaceRegularization(gradient_penalty=LAM, fd_step=1e-6)
+    new = lightning_step(tmp_path, [reg, BatchNormPreconditioning()], make_net())  # order does not matter
+    q = quantities
+    expected = q["p"] - LR * (q["M"] @ q["g"] + 2 * LAM * q["M"] @ q["H"] @ q["M"] @ q["g"])
+    torch.testing.assert_close(new, expected, rtol=1e-6, atol=1e-7)  # a first-order difference
+
+
+def test_callback_order_does_not_matter(tmp_path: Path) -> None:
+    a = lightning_step(tmp_path, [BatchNormPreconditioning(), ZSpaceRegularization(weight_decay=LAM)], make_net())
+    b = lightning_step(tmp_path, [ZSpaceRegularization(weight_decay=LAM), BatchNormPreconditioning()], make_net())
+    assert torch.equal(a, b)
+
+
+def test_without_bnp_decay_is_plain_sgd_weight_decay(tmp_path: Path) -> None:
+    """M = I: decay in z and in p are both SGD's weight decay with coefficient 2λ."""
+    ours = lightning_step(tmp_path, [ZSpaceRegularization(weight_decay=LAM, exclude_bias_and_norm=False)], make_net())
+    net = make_net().double()
+    opt = torch.optim.SGD(net.parameters(), lr=LR, weight_decay=2 * LAM)
+    x, y = make_data(n=BATCH)[:]
+    nn.functional.cross_entropy(net(x.double()), y).backward()
+    opt.step()
+    torch.testing.assert_close(ours, torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+
+
+class CountsLogs(BoringClassifier):
+    def __init__(self, network: nn.Module) -> None:
+        super().__init__(network)
+        self.logged = 0
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    @override
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        self.logged += 1
+        super().log(*args, **kwargs)
+
+
+def test_gradient_penalty_neither_logs_twice_nor_touches_bnp_statistics(tmp_path: Path) -> None:
+    bnp = BatchNormPreconditioning()
+    model = CountsLogs(make_net())
+    _fit(tmp_path, model, make_data(n=16), batch_size=4, max_steps=4,
+         callbacks=[bnp, ZSpaceRegularization(gradient_penalty=0.1)])  # fmt: skip
+    assert model.logged == 4
+    for layer in bnp.preconditioner.layers.values():  # type: ignore[union-attr]
+        assert layer.running.steps == 4 and layer.moments is None
+
+
+@pytest.mark.parametrize("kwargs", [{"weight_decay": 0.05}, {"gradient_penalty": 0.05, "hvp": "double_backprop"}])
+def test_gradient_accumulation_equals_the_large_batch(tmp_path: Path, kwargs: dict) -> None:
+    data = make_data(n=64)
+    small, large = BoringClassifier(make_net()), BoringClassifier(make_net())
+    _fit(tmp_path, small, data, batch_size=4, max_steps=8, accumulate_grad_batches=2,
+         callbacks=[BatchNormPreconditioning(), ZSpaceRegularization(**kwargs)])  # fmt: skip
+    _fit(tmp_path, large, data, batch_size=8, max_steps=8,
+         callbacks=[BatchNormPreconditioning(), ZSpaceRegularization(**kwargs)])  # fmt: skip
+    for p, q in zip(small.parameters(), large.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_decay_acts_on_unscaled_gradients_under_fp16_amp(tmp_path: Path) -> None:
+    data = make_data(n=32)
+    plain, amp = BoringClassifier(make_net()), BoringClassifier(make_net())
+    _fit(tmp_path, plain, data, batch_size=8, max_steps=4,
+         callbacks=[BatchNormPreconditioning(), ZSpaceRegularization(weight_decay=1.0)])  # fmt: skip
+    fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    _fit(tmp_path, amp, data, batch_size=8, max_steps=4, plugins=[fp16],
+         callbacks=[BatchNormPreconditioning(), ZSpaceRegularization(weight_decay=1.0)])  # fmt: skip
+    for p, q in zip(plain.parameters(), amp.parameters()):  # a scaled gradient would be 1024× off
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
+
+
+class WithOptimizerDecay(BoringClassifier):
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, weight_decay=1e-4)
+
+
+def test_warns_about_double_decay(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match=r"SGD has weight_decay=0.0001 and ZSpaceRegularization has weight_decay=0.1"):
+        _fit(tmp_path, WithOptimizerDecay(make_net()), make_data(n=8), batch_size=4, max_steps=1,
+             callbacks=[ZSpaceRegularization(weight_decay=0.1)])  # fmt: skip
+
+
+class Manual(BoringClassifier):
+    def __init__(self, network: nn.Module) -> None:
+        super().__init__(network)
+        self.automatic_optimization = False
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+        opt = self.optimizers()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        opt.step()  # type: ignore[union-attr]
+        opt.zero_grad()  # type: ignore[union-attr]
+
+
+def test_gradient_penalty_refuses_manual_optimization(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"re-runs `training_step`.*manual optimization"):
+        _fit(tmp_path, Manual(make_net()), make_data(n=8), batch_size=4, max_steps=1,
+             callbacks=[ZSpaceRegularization(gradient_penalty=0.1)])  # fmt: skip
+
+
+def test_decay_works_with_manual_optimization(tmp_path: Path) -> None:
+    _fit(tmp_path, Manual(make_net()), make_data(n=8), batch_size=4, max_steps=2,
+         callbacks=[BatchNormPreconditioning(), ZSpaceRegularization(weight_decay=0.1)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"weight_decay": -0.1}, r"`weight_decay` must be >= 0, got -0.1"),
+        ({"gradient_penalty": -1.0}, r"`gradient_penalty` must be >= 0, got -1.0"),
+        ({}, r"`weight_decay` and `gradient_penalty` are both 0"),
+        ({"weight_decay": 0.1, "decay_space": "w"}, r"`decay_space` must be 'z' or 'p', got 'w'"),
+        (
+            {"gradient_penalty": 0.1, "hvp": "exact"},
+            r"`hvp` must be 'finite_difference' or 'double_backprop', got 'exact'",
+        ),
+        ({"gradient_penalty": 0.1, "fd_step": 0.0}, r"`fd_step` must be > 0, got 0.0"),
+    ],
+)
+def test_invalid_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ZSpaceRegularization(**kwargs)
