@@ -40,8 +40,14 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from lightning_bnp.core.selection import select_layers
-from lightning_bnp.core.statistics import Moments, RunningStatistics, moments_of_input, statistics_dtype
-from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
+from lightning_bnp.core.statistics import (
+    Moments,
+    RunningStatistics,
+    moments_of_input,
+    statistics_dtype,
+    updated_many,
+)
+from lightning_bnp.core.transform import precondition_, precondition_many_, q_squared, var_tilde_many
 
 __all__ = [
     "DEFAULT_LAYER_TYPES",
@@ -274,47 +280,60 @@ class BNPPreconditioner:
             layer.moments = None
             layer.transform = None
         pending = PendingUpdate()
-        for layer, moments in zip(active, pooled):
-            if moments.rows == 0:
+        ready = [(layer, m) for layer, m in zip(active, pooled) if m.rows > 0]
+        for layer, m in zip(active, pooled):
+            if m.rows == 0:
                 self._warn_never_ran(layer)
-                continue
-            mu, var = self._statistics_for_step(layer, moments, pending)
-            q2 = q_squared(layer.fan_in, moments.samples, moments.out_positions / moments.samples)
-            grad_w = layer.weight.grad
-            assert grad_w is not None  # `active` holds layers with a weight gradient
-            grad_b = layer.bias.grad if layer.bias is not None else None
-            transform = StepTransform(
-                mu if grad_b is not None else None, var_tilde(var, self.eps1, self.eps2), q2, layer.groups
-            )
-            transform.apply_(grad_w, grad_b)
-            layer.transform = transform
+        if ready:
+            self._transform(ready, pending)
         if commit:
             pending.commit()
         return pending
 
-    def _statistics_for_step(self, layer: _Layer, moments: Moments, pending: PendingUpdate) -> tuple[Tensor, Tensor]:
-        """μ and σ² that P uses this step (Alg. 2/3 steps 1–2)."""
-        running = layer.running
-        running.to(moments.mean.device, moments.mean.dtype)
-        if layer.has_bias:
-            mu_h = moments.mean
-            if moments.rows > 1:
-                var_h = moments.var
-            else:  # N = 1: σ²_H = (h − μ)² with the running μ before this step's update
-                var_h = (moments.mean - running.mu).square()
-        else:  # uncentred second moment; μ stays 0 (module docstring)
-            mu_h = torch.zeros_like(moments.mean)
-            var_h = moments.var + moments.mean.square()
-        if self.statistics == "batch":
-            if moments.rows == 1:
+    def _transform(self, ready: list[tuple[_Layer, Moments]], pending: PendingUpdate) -> None:
+        """Steps 2–4 for every layer of the step at once (``torch._foreach_*`` kernels)."""
+        mus, variances = self._statistics_for_step(ready, pending)
+        var_ts = var_tilde_many(variances, self.eps1, self.eps2)
+        grads_w = [layer.weight.grad for layer, _ in ready]
+        grads_b = [layer.bias.grad if layer.bias is not None else None for layer, _ in ready]
+        mus_used = [mu if grad_b is not None else None for mu, grad_b in zip(mus, grads_b)]
+        q2s = [q_squared(layer.fan_in, m.samples, m.out_positions / m.samples) for layer, m in ready]
+        groups = [layer.groups for layer, _ in ready]
+        precondition_many_(grads_w, grads_b, mus_used, var_ts, q2s, groups)  # type: ignore[arg-type]
+        for (layer, _), mu, var_t, q2 in zip(ready, mus_used, var_ts, q2s):
+            layer.transform = StepTransform(mu, var_t, q2, layer.groups)
+
+    def _statistics_for_step(
+        self, ready: list[tuple[_Layer, Moments]], pending: PendingUpdate
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """μ and σ² that P uses this step (Alg. 2/3 steps 1–2), per layer."""
+        moments = [m for _, m in ready]
+        runnings = [layer.running for layer, _ in ready]
+        for running, m in zip(runnings, moments):
+            running.to(m.mean.device, m.mean.dtype)
+        mus_h = [m.mean for m in moments]
+        vars_h = list(torch._foreach_div([m.m2 for m in moments], [float(m.rows) for m in moments]))  # σ²_H
+        for i, (layer, m) in enumerate(ready):
+            if not layer.has_bias:  # uncentred second moment; μ stays 0 (module docstring)
+                vars_h[i].addcmul_(m.mean, m.mean)
+                mus_h[i] = torch.zeros_like(m.mean)
+            elif m.rows == 1:  # N = 1: σ²_H = (h − μ)² with the running μ before this step's update
+                vars_h[i] = (m.mean - layer.running.mu).square()
+            if m.rows == 1 and self.statistics == "batch":
                 raise ValueError(
                     f"statistics='batch' needs more than one row of input per step, but layer "
                     f"{layer.name!r} saw 1; use statistics='running' for batch size 1"
                 )
-            return mu_h, var_h
-        state = running.updated(mu_h, var_h)
-        pending.items.append((running, state))
-        return running.view(*state)
+        if self.statistics == "batch":
+            return mus_h, vars_h
+        states = updated_many(runnings, mus_h, vars_h)
+        pending.items.extend(zip(runnings, states))
+        coefficients = [running.view_coefficients(steps) for running, (_, _, steps) in zip(runnings, states)]
+        scales = [scale for scale, _ in coefficients]
+        mus = list(torch._foreach_mul([m for m, _, _ in states], scales))
+        variances = list(torch._foreach_mul([v for _, v, _ in states], scales))
+        torch._foreach_add_(variances, [shift for _, shift in coefficients])
+        return mus, variances
 
     def _pool(self, layers: list[_Layer]) -> list[Moments]:
         """This step's moments per layer, pooled over ranks when syncing (one collective)."""

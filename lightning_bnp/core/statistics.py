@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Moments", "RunningStatistics", "moments_of_input", "statistics_dtype"]
+__all__ = ["Moments", "RunningStatistics", "moments_of_input", "statistics_dtype", "updated_many"]
 
 
 @dataclass
@@ -161,14 +161,17 @@ class RunningStatistics:
         self.var_acc = torch.zeros(features, dtype=dtype, device=device)
         self.steps = 0
 
+    def view_coefficients(self, steps: int) -> tuple[float, float]:
+        """(scale, shift) with μ = scale·m_t and σ² = scale·v_t + shift, for t ≥ 1."""
+        decay = self.rho**steps  # float64 on the host: exact enough for any t
+        return (1.0 / (1.0 - decay), 0.0) if self.bias_correction else (1.0, decay)
+
     def view(self, mean_acc: Tensor, var_acc: Tensor, steps: int) -> tuple[Tensor, Tensor]:
         """(μ, σ²) seen through the configured view for a given accumulator state."""
         if steps == 0:
             return torch.zeros_like(mean_acc), torch.ones_like(var_acc)
-        decay = self.rho**steps  # float64 on the host: exact enough for any t
-        if self.bias_correction:
-            return mean_acc / (1.0 - decay), var_acc / (1.0 - decay)
-        return mean_acc, var_acc + decay
+        scale, shift = self.view_coefficients(steps)
+        return mean_acc * scale, var_acc * scale + shift
 
     @property
     def mu(self) -> Tensor:
@@ -180,9 +183,8 @@ class RunningStatistics:
 
     def updated(self, mu_h: Tensor, var_h: Tensor) -> tuple[Tensor, Tensor, int]:
         """Accumulator state after one step with batch statistics (μ_H, σ²_H); does not commit."""
-        mean_acc = torch.lerp(self.mean_acc, mu_h, 1.0 - self.rho)
-        var_acc = torch.lerp(self.var_acc, var_h, 1.0 - self.rho)
-        return mean_acc, var_acc, self.steps + 1
+        (state,) = updated_many([self], [mu_h], [var_h])
+        return state
 
     def assign(self, mean_acc: Tensor, var_acc: Tensor, steps: int) -> None:
         self.mean_acc, self.var_acc, self.steps = mean_acc, var_acc, steps
@@ -208,3 +210,14 @@ class RunningStatistics:
         self.mean_acc = mean_acc.to(device=device, dtype=dtype).clone()
         self.var_acc = var_acc.to(device=device, dtype=dtype).clone()
         self.steps = int(state["steps"])  # type: ignore[call-overload]
+
+
+def updated_many(
+    runnings: list[RunningStatistics], mus_h: list[Tensor], vars_h: list[Tensor]
+) -> list[tuple[Tensor, Tensor, int]]:
+    """:meth:`RunningStatistics.updated` for several layers sharing ρ, with ``torch._foreach_lerp``:
+    m ← ρm + (1−ρ)μ_H, v ← ρv + (1−ρ)σ²_H (Alg. 2/3 step 2)."""
+    weight = 1.0 - runnings[0].rho
+    mean_accs = torch._foreach_lerp([r.mean_acc for r in runnings], mus_h, weight)
+    var_accs = torch._foreach_lerp([r.var_acc for r in runnings], vars_h, weight)
+    return [(m, v, r.steps + 1) for m, v, r in zip(mean_accs, var_accs, runnings)]

@@ -22,16 +22,25 @@ Layers without bias have no centring direction: P = diag(1/σ̃) and only the fi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["precondition_", "q_squared", "var_tilde"]
+__all__ = ["precondition_", "precondition_many_", "q_squared", "var_tilde", "var_tilde_many"]
 
 
 def var_tilde(var: Tensor, eps1: float, eps2: float) -> Tensor:
     """σ̃² = σ² + ε1·max(σ²) + ε2 (Alg. 2/3 step 3)."""
-    return var + (eps1 * var.max() + eps2)
+    return var_tilde_many([var], eps1, eps2)[0]
+
+
+def var_tilde_many(variances: Sequence[Tensor], eps1: float, eps2: float) -> list[Tensor]:
+    """:func:`var_tilde` of several layers with ``torch._foreach_*`` kernels."""
+    floors = torch._foreach_max(list(variances))  # max(σ²) per layer, 0-d
+    torch._foreach_mul_(floors, eps1)
+    torch._foreach_add_(floors, eps2)
+    return list(torch._foreach_add(list(variances), floors))
 
 
 def q_squared(fan_in: int, samples: int, out_positions_per_sample: float) -> float:
@@ -75,20 +84,43 @@ def precondition_(
         q2: the scale q².
         groups: convolution groups (1 for Linear).
     """
-    dtype = grad_w.dtype
-    # 1/(q² σ̃²) is formed in the statistics' dtype (float32 or float64) and applied in the gradient's
-    inv = _per_weight_view((var_t * q2).reciprocal_().to(dtype), grad_w, groups)
-    if grad_b is None or mu is None:
-        grad_w.mul_(inv)
+    precondition_many_([grad_w], [grad_b], [mu], [var_t], [q2], [groups])
+
+
+@torch.no_grad()
+def precondition_many_(
+    grads_w: Sequence[Tensor],
+    grads_b: Sequence[Tensor | None],
+    mus: Sequence[Tensor | None],
+    var_ts: Sequence[Tensor],
+    q2s: Sequence[float],
+    groups: Sequence[int],
+) -> None:
+    """:func:`precondition_` for several layers at once, with ``torch._foreach_*`` kernels.
+
+    A layer is centred (has the μ block of P) when both its ``grads_b`` and ``mus`` entries are given.
+    """
+    dtype = grads_w[0].dtype
+    # 1/(q² σ̃²) in the statistics' dtype (float32 or float64), applied in the gradient's dtype
+    inv = torch._foreach_mul(list(var_ts), list(q2s))
+    torch._foreach_reciprocal_(inv)
+    inv_w = [_per_weight_view(v.to(g.dtype), g, k) for v, g, k in zip(inv, grads_w, groups)]
+    centred = [i for i, (gb, mu) in enumerate(zip(grads_b, mus)) if gb is not None and mu is not None]
+    gw_c = [grads_w[i] for i in centred]
+    gb_c: list[Tensor] = [grads_b[i] for i in centred]  # type: ignore[misc]
+    mu_w = [_per_weight_view(mus[i].to(dtype), grads_w[i], groups[i]) for i in centred]  # type: ignore[union-attr]
+    if centred:  # G_w − μ_j G_b[i]
+        gb_views = [gb.view(-1, *(1,) * (gw.dim() - 1)) for gb, gw in zip(gb_c, gw_c)]
+        torch._foreach_addcmul_(gw_c, mu_w, gb_views, value=-1.0)
+    torch._foreach_mul_(list(grads_w), inv_w)  # ÷ q²σ̃²_j
+    if not centred:
         return
-    trailing = (1,) * (grad_w.dim() - 1)
-    mu_w = _per_weight_view(mu.to(dtype), grad_w, groups)
-    grad_w.addcmul_(mu_w, grad_b.view(-1, *trailing), value=-1.0)  # G_w − μ_j G_b[i]
-    grad_w.mul_(inv)
-    # Σ_j μ_j G_w_new[i, j] over input channels and kernel positions
-    kernel_sum = grad_w.flatten(2).sum(-1) if grad_w.dim() > 2 else grad_w  # (out, c_in/groups)
-    if groups == 1:
-        correction = kernel_sum @ mu.to(dtype)
-    else:
-        correction = (kernel_sum * mu_w.reshape(kernel_sum.shape)).sum(1)
-    grad_b.div_(q2).sub_(correction)
+    corrections = []  # Σ_j μ_j G_w_new[i, j] over input channels and kernel positions
+    for i, gw, mw in zip(centred, gw_c, mu_w):
+        kernel_sum = gw.flatten(2).sum(-1) if gw.dim() > 2 else gw  # (out, c_in/groups)
+        if groups[i] == 1:
+            corrections.append(kernel_sum @ mw.reshape(-1))
+        else:
+            corrections.append((kernel_sum * mw.reshape(kernel_sum.shape)).sum(1))
+    torch._foreach_div_(gb_c, [q2s[i] for i in centred])
+    torch._foreach_sub_(gb_c, corrections)
