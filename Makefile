@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.warm_start
 	$(BIN)/python -m benchmarks.warm_start --pixel-scale 16
 	$(BIN)/python -m benchmarks.ddp_sync
+	$(BIN)/python -m benchmarks.regularization
 
 clean:
 	rm -rf $(VENV) runs benchmarks/out .pytest_cache .mypy_cache .ruff_cache

@@ -50,10 +50,12 @@ class ZSpaceRegularization(Callback):
         weight_decay: λ_wd ≥ 0 of the decay term (0 turns it off).
         decay_space: ``"z"`` (the paper's recommendation: g = M∇L + 2λp) or ``"p"`` (L2 on the
             original parameters, for comparison: g = M(∇L + 2λp)).
-        gradient_penalty: λ_gr ≥ 0 of R(z) = ‖∇_z L‖² (0 turns it off; costs about one extra
-            forward/backward per step with ``hvp="finite_difference"``).
-        hvp: how ∇²L·v is formed: ``"finite_difference"`` (one extra forward/backward) or
-            ``"double_backprop"`` (exact, about two).
+        gradient_penalty: λ_gr ≥ 0 of R(z) = ‖∇_z L‖² (0 turns it off).
+        hvp: how ∇²L·v is formed: ``"double_backprop"`` (exact; about two extra passes) or
+            ``"finite_difference"`` (one extra forward/backward, reusing the step's gradient). The
+            difference is only trustworthy for smooth activations: with ReLU, units that cross zero
+            inside the perturbation dominate it (on the digits FC network its error against the exact
+            product was 1.7× at ``fd_step=0.1`` and 22× at 1e-3, vs 0.1% with tanh).
         fd_step: norm of the parameter perturbation of the finite difference.
         exclude_bias_and_norm: do not decay biases or the parameters of normalization layers
             (BatchNorm/LayerNorm/GroupNorm), as is usual for weight decay.
@@ -74,7 +76,7 @@ class ZSpaceRegularization(Callback):
         weight_decay: float = 0.0,
         decay_space: Literal["z", "p"] = "z",
         gradient_penalty: float = 0.0,
-        hvp: Literal["finite_difference", "double_backprop"] = "finite_difference",
+        hvp: Literal["finite_difference", "double_backprop"] = "double_backprop",
         fd_step: float = 1e-3,
         exclude_bias_and_norm: bool = True,
     ) -> None:

@@ -125,5 +125,5 @@ def test_ranks_stay_identical_with_gradient_regularization(tmp_path: Path, share
     assert_ranks_bitwise_equal(states)
     (single,) = run_fit(tmp_path / "single", "--strategy", "auto", "--devices", "1", "--batch-size", "16",
                         "--epochs", "1", "--gradient-penalty", "0.05")  # fmt: skip
-    for name, p in single["params"].items():  # the finite difference amplifies rounding: a looser match
+    for name, p in single["params"].items():  # second derivatives amplify rounding: a looser match
         torch.testing.assert_close(states[0]["params"][name], p, rtol=1e-3, atol=1e-4)
