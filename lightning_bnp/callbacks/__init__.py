@@ -2,5 +2,6 @@
 
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.regularization import ZSpaceRegularization
+from lightning_bnp.callbacks.weight_conditioning import WeightConditioning
 
-__all__ = ["BatchNormPreconditioning", "ZSpaceRegularization"]
+__all__ = ["BatchNormPreconditioning", "WeightConditioning", "ZSpaceRegularization"]

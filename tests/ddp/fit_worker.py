@@ -58,6 +58,13 @@ class SaveFinalState(pl.Callback):
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
 
 
+def release_process_group() -> None:
+    """Destroy the gloo process group before the interpreter exits: Lightning leaves it up, and a
+    live group's threads can abort the process at exit ("terminate called without an active exception")."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="ddp")
@@ -100,6 +107,7 @@ def main() -> None:
     model = BoringClassifier(make_net(), momentum=0.9)
     data = make_data(n=args.n, shape=shape)
     trainer.fit(model, datamodule=OrderedData(data, args.batch_size), ckpt_path=args.ckpt_in)
+    release_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,386 @@
+"""Weight Conditioning in plain torch: the paper's formulas (§4) in its orientation, gradients,
+Van der Sluis (Thm. 5.1 / Prop. 1), selection, idempotence, baking, compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+import lightning_bnp.core.conditioning as conditioning
+from example_projects.models import cnn5
+from lightning_bnp.core.conditioning import (
+    Equilibration,
+    apply_weight_conditioning,
+    bake_weight_conditioning,
+    condition_number,
+    conditioned_layers,
+    equilibrate,
+    zero_norm_count,
+)
+from tests.helpers import make_cnn, make_mlp
+
+MODES = ("row", "column", "row_column")
+# (out, in/groups, *kernel) shapes: Linear, Conv1d, grouped Conv2d, Conv3d
+SHAPES = [(5, 7), (3, 8), (4, 2, 3), (6, 3, 3, 3), (2, 3, 2, 2, 2)]
+
+
+@pytest.fixture(params=["fused", "autograd"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through the custom autograd Function (large weights) and plain autograd ops (small)."""
+    monkeypatch.setattr(conditioning, "FUSED_MIN_NUMEL", 0 if request.param == "fused" else 2**62)
+    return str(request.param)
+
+
+# ------------------------------------------------------------------ the paper's formulas, explicitly
+def paper_matrix(weight: Tensor) -> Tensor:
+    """The paper's W (n_in, n_out) = PyTorch weight.T; a kernel's n_in is in/groups·∏k."""
+    return weight.reshape(weight.shape[0], -1).T
+
+
+def row_equilibrator(a: Tensor) -> Tensor:
+    """Paper §4: diagonal n×n matrix with 1/‖A_{i:}‖₂ on the diagonal."""
+    return torch.diag(1.0 / torch.stack([a[i, :].norm() for i in range(a.shape[0])]))
+
+
+def column_equilibrator(a: Tensor) -> Tensor:
+    """Paper §4: diagonal m×m matrix with 1/‖A_{:j}‖₂ on the diagonal."""
+    return torch.diag(1.0 / torch.stack([a[:, j].norm() for j in range(a.shape[1])]))
+
+
+def paper_formula(weight: Tensor, mode: str) -> Tensor:
+    """E·A, A·E or (E_r·A)·E_c(E_r·A), mapped back to PyTorch's layout."""
+    a = paper_matrix(weight)
+    if mode == "row":
+        out = row_equilibrator(a) @ a
+    elif mode == "column":
+        out = a @ column_equilibrator(a)
+    else:
+        left = row_equilibrator(a) @ a
+        out = left @ column_equilibrator(left)
+    return out.T.reshape(weight.shape)
+
+
+def test_orientation_on_an_explicit_matrix(path: str) -> None:
+    """Paper W (n_in=2, n_out=3) = PyTorch weight.T; numbers worked out by hand.
+
+    W = [[3, 0, 4],      paper rows (input features) have norms 5 and 13 (= PyTorch columns);
+         [0, 12, 5]]     paper columns (output neurons) have norms 3, 12, √41 (= PyTorch rows).
+    """
+    weight = torch.tensor([[3.0, 0.0], [0.0, 12.0], [4.0, 5.0]], dtype=torch.float64)  # (out=3, in=2)
+    row = torch.tensor([[3 / 5, 0, 4 / 5], [0, 12 / 13, 5 / 13]], dtype=torch.float64)  # E·W: rows / (5, 13)
+    r41 = math.sqrt(41)
+    column = torch.tensor([[1, 0, 4 / r41], [0, 1, 5 / r41]], dtype=torch.float64)  # W·E: columns / (3, 12, √41)
+    # row_column: columns of E·W have norms 3/5, 12/13 and √((4/5)²+(5/13)²)
+    c3 = math.hypot(4 / 5, 5 / 13)
+    row_column = torch.tensor([[1, 0, 4 / 5 / c3], [0, 1, 5 / 13 / c3]], dtype=torch.float64)
+    for mode, paper in (("row", row), ("column", column), ("row_column", row_column)):
+        layer = nn.Linear(2, 3, bias=False).double()
+        layer.weight = nn.Parameter(weight.clone())
+        apply_weight_conditioning(layer, mode=mode)  # type: ignore[arg-type]
+        torch.testing.assert_close(layer.weight.T, paper, rtol=1e-15, atol=1e-15, msg=mode)
+        x = torch.tensor([[1.0, 0.0]], dtype=torch.float64)  # input feature 0: F·W picks paper row 0
+        torch.testing.assert_close(layer(x), paper[:1], rtol=1e-15, atol=1e-15, msg=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_parametrized_weight_equals_the_paper_formula(mode: str, shape: tuple[int, ...], path: str) -> None:
+    weight = torch.randn(*shape, dtype=torch.float64) * torch.logspace(-2, 2, shape[0], dtype=torch.float64).view(
+        -1, *[1] * (len(shape) - 1)
+    )
+    layer = nn.Linear(1, 1).double()  # any module with a `weight`; its shape follows the parameter
+    layer.weight = nn.Parameter(weight.clone())
+    parametrize.register_parametrization(layer, "weight", Equilibration(mode))  # type: ignore[arg-type]
+    torch.testing.assert_close(layer.weight, paper_formula(weight, mode), rtol=1e-12, atol=1e-14)
+    assert torch.equal(layer.parametrizations.weight.original, weight)  # the free parameter is untouched
+
+
+def test_row_column_is_sequential_not_simultaneous() -> None:
+    """Column norms are taken of the row-equilibrated matrix, not of W itself."""
+    weight = torch.randn(4, 6, dtype=torch.float64) * torch.logspace(-1, 1, 6, dtype=torch.float64)
+    a = paper_matrix(weight)
+    simultaneous = (row_equilibrator(a) @ a @ column_equilibrator(a)).T
+    conditioned = equilibrate(weight, "row_column")
+    assert not torch.allclose(conditioned, simultaneous, atol=1e-3)
+    torch.testing.assert_close(conditioned.norm(dim=1), torch.ones(4, dtype=torch.float64))  # unit output neurons
+
+
+def test_row_mode_gives_every_input_feature_unit_outgoing_weights() -> None:
+    """Orientation, semantically: feeding the basis vector e_i returns input i's outgoing weights."""
+    layer = nn.Linear(5, 3)
+    layer.weight.data *= torch.tensor([0.01, 1.0, 100.0]).view(3, 1)
+    apply_weight_conditioning(layer, mode="row")
+    responses = layer(torch.eye(5)) - layer.bias  # row i: the outgoing weights of input feature i
+    torch.testing.assert_close(responses.norm(dim=1), torch.ones(5))
+    apply_weight_conditioning(other := nn.Linear(5, 3), mode="column")
+    torch.testing.assert_close((other(torch.eye(5)) - other.bias).norm(dim=0), torch.ones(3))  # per output
+
+
+def test_conv_output_uses_the_equilibrated_kernel() -> None:
+    conv = nn.Conv2d(4, 6, 3, groups=2, padding=1).double()
+    kernel = conv.weight.detach().clone()
+    apply_weight_conditioning(conv, mode="row")
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    expected = F.conv2d(x, paper_formula(kernel, "row"), conv.bias, padding=1, groups=2)
+    torch.testing.assert_close(conv(x), expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(MODES), st.sampled_from(SHAPES), st.floats(-3, 3), st.integers(0, 2**31 - 1))
+def test_equilibrated_vectors_have_unit_norm(mode: str, shape: tuple[int, ...], log_scale: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    w = equilibrate(torch.randn(*shape, generator=g, dtype=torch.float64) * 10**log_scale, mode)  # type: ignore[arg-type]
+    w2 = w.reshape(shape[0], -1)
+    ones = torch.ones(1, dtype=torch.float64)
+    if mode == "row":  # paper rows = PyTorch columns
+        torch.testing.assert_close(w2.norm(dim=0), ones.expand(w2.shape[1]))
+    else:  # the last step normalises output neurons = PyTorch rows
+        torch.testing.assert_close(w2.norm(dim=1), ones.expand(shape[0]))
+    if mode != "row_column":  # one-sided equilibration is a projection (row-column is one Sinkhorn-like sweep)
+        torch.testing.assert_close(equilibrate(w, mode), w)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ gradients and numerics
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(4, 3), (3, 2, 2, 2)])
+def test_gradcheck(mode: str, shape: tuple[int, ...], path: str) -> None:
+    weight = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda w: equilibrate(w, mode), (weight,))  # type: ignore[arg-type]
+    assert torch.autograd.gradgradcheck(lambda w: equilibrate(w, mode), (weight,))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_all_zero_vectors_give_finite_outputs_and_gradients(mode: str, path: str) -> None:
+    layer = nn.Linear(4, 3)
+    with torch.no_grad():
+        layer.weight[:, 1] = 0.0  # input feature 1 has no outgoing weights (a paper row)
+        layer.weight[2, :] = 0.0  # output neuron 2 has no incoming weights (a paper column)
+    apply_weight_conditioning(layer, mode=mode)  # type: ignore[arg-type]
+    out = layer(torch.randn(8, 4))
+    out.square().sum().backward()
+    grad = layer.parametrizations.weight.original.grad
+    assert torch.isfinite(out).all() and grad is not None and torch.isfinite(grad).all()
+    assert (layer.weight[:, 1] == 0).all() and (layer.weight[2, :] == 0).all()
+    assert zero_norm_count(layer.parametrizations.weight.original, mode) == 1  # type: ignore[arg-type]
+
+
+def test_eps_is_a_floor_of_the_norm_not_an_offset(path: str) -> None:
+    """1/max(‖w‖, ε): vectors above ε get exactly unit norm, vectors below are scaled by 1/ε."""
+    weight = torch.tensor([[3.0, 1e-3], [4.0, 0.0]], dtype=torch.float64)
+    out = equilibrate(weight, "row", eps=1e-2)
+    torch.testing.assert_close(out[:, 0], torch.tensor([0.6, 0.8], dtype=torch.float64), rtol=1e-12, atol=0)
+    torch.testing.assert_close(out[:, 1], weight[:, 1] / 1e-2)
+
+
+def test_half_precision_weights_are_equilibrated_in_float32() -> None:
+    weight = torch.randn(6, 5) * 1e3
+    out = equilibrate(weight.bfloat16(), "row_column")
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), equilibrate(weight.bfloat16().float(), "row_column"), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_backward_equals_autograd_of_the_formula(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The analytic VJP of the custom Function, with clamped (all-zero) vectors, vs autograd."""
+    weight = torch.randn(6, 3, 2, 2, dtype=torch.float64)
+    weight[:, 1] = 0.0  # 4 all-zero paper rows (input channel 1 at every kernel position)
+    weight[4] = 0.0  # an all-zero output neuron
+    grad_out = torch.randn_like(weight)
+    grads = []
+    for numel in (0, 2**62):
+        monkeypatch.setattr(conditioning, "FUSED_MIN_NUMEL", numel)
+        w = weight.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(equilibrate(w, mode), w, grad_out)  # type: ignore[arg-type]
+        grads.append(grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_norms_are_not_downcast_by_autocast(mode: str, path: str) -> None:
+    """Under bf16 autocast the conditioned float32 weight is bitwise the float32 one."""
+    weight = torch.randn(16, 8, 3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = equilibrate(weight, mode)  # type: ignore[arg-type]
+    assert out.dtype == torch.float32 and torch.equal(out, equilibrate(weight, mode))  # type: ignore[arg-type]
+    meta = torch.empty(16, 8, 3, 3, device="meta", requires_grad=True)  # deferred init: shapes only
+    equilibrate(meta, mode).sum().backward()  # type: ignore[arg-type]
+    assert meta.grad is not None and meta.grad.shape == meta.shape
+
+
+# ------------------------------------------------------------------ Van der Sluis (paper Thm. 5.1, Prop. 1)
+def row_equilibrated(a: Tensor) -> Tensor:
+    """E·A computed by the parametrization: a Linear whose weight is the paper's A transposed."""
+    layer = nn.Linear(a.shape[0], a.shape[1], bias=False).double()
+    layer.weight = nn.Parameter(a.T.clone())
+    apply_weight_conditioning(layer, mode="row")
+    return layer.weight.detach().T
+
+
+def kappa(a: Tensor) -> float:
+    return condition_number(a.T)  # condition_number takes PyTorch's layout; κ(Aᵀ) = κ(A)
+
+
+@st.composite
+def scaled_matrices(draw: st.DrawFn, rows: st.SearchStrategy[int], cols: st.SearchStrategy[int]) -> Tensor:
+    """Random full-rank matrices with rows scaled over up to 6 decades (where scaling matters)."""
+    m, n, seed = draw(rows), draw(cols), draw(st.integers(0, 2**31 - 1))
+    spread = draw(st.floats(0.0, 6.0))
+    g = torch.Generator().manual_seed(seed)
+    scales = 10 ** (spread * (torch.rand(m, 1, generator=g, dtype=torch.float64) - 0.5))
+    return torch.randn(m, n, generator=g, dtype=torch.float64) * scales
+
+
+TOL = 1 + 1e-9
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_van_der_sluis_row_equilibration_is_within_sqrt_m_of_every_diagonal_scaling(data: st.DataObject) -> None:
+    """m ≤ n: κ₂(E·A) ≤ √m · κ₂(D·A) for every diagonal D (Van der Sluis), in particular D = I."""
+    a = data.draw(scaled_matrices(st.integers(1, 6), st.integers(6, 9)))
+    m = a.shape[0]
+    d = torch.diag(10 ** (4 * (torch.rand(m, dtype=torch.float64) - 0.5)))
+    e_a = row_equilibrated(a)
+    assert kappa(e_a) <= math.sqrt(m) * kappa(a) * TOL
+    assert kappa(e_a) <= math.sqrt(m) * kappa(d @ a) * TOL
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_row_equilibration_is_within_sqrt_m_of_the_raw_matrix_in_every_shape(data: st.DataObject) -> None:
+    """Full-rank A of any shape: ‖E·A‖₂ ≤ √m and σ_min(E·A) ≥ σ_min(A)/‖A‖₂, so κ(E·A) ≤ √m·κ(A)."""
+    a = data.draw(scaled_matrices(st.integers(1, 9), st.integers(1, 9)))
+    assert kappa(row_equilibrated(a)) <= math.sqrt(a.shape[0]) * kappa(a) * TOL
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_paper_prop1_holds_for_two_rows(data: st.DataObject) -> None:
+    """With two rows equal row norms are the optimal scaling, so the paper's κ(E·W) ≤ κ(W) holds."""
+    a = data.draw(scaled_matrices(st.just(2), st.integers(2, 8)))
+    assert kappa(row_equilibrated(a)) <= kappa(a) * TOL
+
+
+@pytest.mark.parametrize(
+    "a",
+    [
+        [[2.0, 0.0, 0.0], [2.0, 2.0, 1.0], [2.0, 1.0, 2.0]],  # square: κ 4.372 → 4.731
+        [[1.0, 0.0], [0.0, 1.0], [0.0, 0.01]],  # tall (n_in > n_out): κ 1.00005 → √2
+    ],
+)
+def test_paper_prop1_fails_without_the_sqrt_m_factor(a: list[list[float]]) -> None:
+    """Counterexamples to the paper's Prop. 1 (κ(E·W) ≤ κ(W)); the √m bound above still holds."""
+    w = torch.tensor(a, dtype=torch.float64)
+    assert kappa(row_equilibrated(w)) > 1.05 * kappa(w)
+    assert kappa(row_equilibrated(w)) <= math.sqrt(w.shape[0]) * kappa(w)
+
+
+# ------------------------------------------------------------------ selection, idempotence, baking
+def test_selection_all_first_and_last_and_patterns() -> None:
+    net = cnn5()
+    assert list(apply_weight_conditioning(cnn5(), layers="all")) == ["0", "3", "6", "9", "11"]
+    assert list(apply_weight_conditioning(net, layers="first_and_last")) == ["0", "11"]  # first conv, last dense
+    assert set(conditioned_layers(net)) == {"0", "11"}
+    assert list(apply_weight_conditioning(cnn5(), include=["?"], exclude=["6"])) == ["0", "3", "9"]
+    assert list(apply_weight_conditioning(cnn5(), layers="first_and_last", layer_types=["Conv2d"])) == ["0", "6"]
+    assert list(apply_weight_conditioning(make_mlp(), layers="first_and_last", include=["2"])) == ["2"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mode": "rows"}, r"`mode` must be one of \['row', 'column', 'row_column'\], got 'rows'"),
+        ({"layers": "first"}, r"`layers` must be one of \['all', 'first_and_last'\], got 'first'"),
+        ({"eps": 0.0}, r"`eps` must be a finite number > 0, got 0.0"),
+        ({"eps": math.inf}, r"`eps` must be a finite number > 0, got inf"),
+        ({"layer_types": ["Dense"]}, r"`layer_types` must be a subset of .* got unknown \['Dense'\]"),
+        ({"layer_types": "Linear"}, r"`layer_types` must be a list of strings, got 'Linear'"),
+        ({"include": "0"}, r"`include` must be a list of strings, got '0'"),
+        ({"exclude": []}, r"`exclude` must be None or a non-empty list of patterns, got \[\]"),
+        ({"include": ["encoder.*"]}, r"`include` pattern 'encoder.\*' matches no"),
+        ({"exclude": ["*"]}, r"no Linear/Conv1d/Conv2d/Conv3d layer is left for WeightConditioning"),
+    ],
+)
+def test_invalid_selection_is_refused(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        apply_weight_conditioning(make_mlp(), **kwargs)
+
+
+def test_applying_twice_is_a_no_op_and_another_mode_is_refused() -> None:
+    net = make_cnn()
+    apply_weight_conditioning(net, mode="row")
+    keys, x = list(net.state_dict()), torch.randn(3, 2, 6, 6)
+    out = net(x)
+    apply_weight_conditioning(net, mode="row")
+    assert list(net.state_dict()) == keys and torch.equal(net(x), out)
+    assert all(len(m.parametrizations.weight) == 1 for m in net.modules() if parametrize.is_parametrized(m))
+    with pytest.raises(ValueError, match=r"layer '0' is already conditioned with mode='row'.*refusing"):
+        apply_weight_conditioning(net, mode="column")
+
+
+def test_no_weight_parameter_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"layer '' has no `weight` parameter"):
+        apply_weight_conditioning(nn.LazyLinear(3))
+
+
+def test_state_dict_loads_into_the_same_setup_only() -> None:
+    trained, fresh = make_cnn(seed=0), make_cnn(seed=1)
+    apply_weight_conditioning(trained, mode="row_column")
+    apply_weight_conditioning(fresh, mode="row_column")
+    assert "0.parametrizations.weight.original" in trained.state_dict()
+    fresh.load_state_dict(trained.state_dict())
+    x = torch.randn(2, 2, 6, 6)
+    assert torch.equal(fresh(x), trained(x))
+    with pytest.raises(RuntimeError, match=r"parametrizations\.weight\.original"):
+        make_cnn().load_state_dict(trained.state_dict())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bake_keeps_outputs_and_removes_every_parametrization(mode: str) -> None:
+    net = cnn5()
+    apply_weight_conditioning(net, mode=mode)  # type: ignore[arg-type]
+    original = net[0].parametrizations.weight.original
+    x = torch.randn(4, 1, 8, 8)
+    before = net(x)
+    assert bake_weight_conditioning(net) == ["0", "3", "6", "9", "11"]
+    assert not any(parametrize.is_parametrized(m) for m in net.modules())
+    assert type(net[0]) is nn.Conv2d and net[0].weight is original  # same Parameter: optimizers stay valid
+    torch.testing.assert_close(net(x), before, rtol=0, atol=0)
+    plain = cnn5()
+    plain.load_state_dict(net.state_dict())  # plain `weight` keys again
+    torch.testing.assert_close(plain(x), before, rtol=0, atol=0)
+    assert bake_weight_conditioning(net) == []
+
+
+# ------------------------------------------------------------------ torch.compile
+@pytest.fixture(scope="module")
+def compile_works() -> None:
+    try:
+        torch.compile(lambda t: t * 2 + 1)(torch.ones(2))
+    except Exception as err:  # no C++ toolchain for inductor on this machine
+        pytest.skip(f"torch.compile does not work here: {type(err).__name__}: {err}"[:300])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["row_column"])
+def test_compiled_conditioned_model_matches_eager(compile_works: None, mode: str, path: str) -> None:
+    """Dynamo traces the parametrization, the custom autograd Function included (no graph break needed)."""
+    torch._dynamo.reset()
+    eager, compiled = make_cnn(), make_cnn()
+    for net in (eager, compiled):
+        apply_weight_conditioning(net, mode=mode)  # type: ignore[arg-type]
+    x = torch.randn(5, 2, 6, 6)
+    eager(x).square().sum().backward()
+    fn = torch.compile(compiled, fullgraph=True)  # no graph break
+    out = fn(x)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, eager(x))
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
