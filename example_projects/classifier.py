@@ -1,10 +1,16 @@
-"""A small LightningModule that trains any classifier network with SGD and logs torchmetrics accuracy."""
+"""A small LightningModule that trains any classifier network with SGD (or Adam) and logs torchmetrics accuracy.
+
+The example projects' LightningModules subclass it and build ``network`` from simple typed arguments.
+"""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import lightning.pytorch as pl
 import torch
 import torchmetrics
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -14,16 +20,33 @@ class Classifier(pl.LightningModule):
 
     Args:
         network: the model mapping images to logits.
-        lr: SGD learning rate.
-        momentum: SGD momentum.
+        lr: learning rate.
+        momentum: SGD momentum (ignored by Adam).
         num_classes: number of classes for the accuracy metrics.
+        weight_decay: L2 weight decay of the optimizer, on every parameter.
+        optimizer: ``"sgd"`` (the BNP paper's choice almost everywhere) or ``"adam"``.
     """
 
-    def __init__(self, network: nn.Module, *, lr: float = 0.1, momentum: float = 0.0, num_classes: int = 10) -> None:
+    def __init__(
+        self,
+        network: nn.Module,
+        *,
+        lr: float = 0.1,
+        momentum: float = 0.0,
+        num_classes: int = 10,
+        weight_decay: float = 0.0,
+        optimizer: Literal["sgd", "adam"] = "sgd",
+    ) -> None:
         super().__init__()
+        if lr <= 0:
+            raise ValueError(f"`lr` must be > 0, got {lr}")
+        if optimizer not in ("sgd", "adam"):
+            raise ValueError(f"`optimizer` must be 'sgd' or 'adam', got {optimizer!r}")
         self.network = network
         self.lr = lr
         self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.optimizer_name = optimizer
         self.loss_fn = nn.CrossEntropyLoss()
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = torchmetrics.classification.MulticlassAccuracy(num_classes, average="micro")
@@ -54,5 +77,7 @@ class Classifier(pl.LightningModule):
         self.log("test/acc", self.test_acc)
 
     @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)

@@ -1,0 +1,79 @@
+"""The LightningCLI shared by the example projects.
+
+Each project's ``__main__`` calls :func:`run_cli` with its LightningModule. The CLI
+
+* uses :class:`~example_projects.data.ImageDataModule` as the data (``data.*`` in YAML), with the
+  project's preferred torchvision dataset for ``data.dataset: auto``;
+* links the data's ``input_shape`` and ``num_classes`` into the model when both are built, so a
+  model trains on 1×8×8 digits, 1×28×28 MNIST or 3×32×32 CIFAR-10 without any config change;
+* logs to TensorBoard under ``runs/<project>`` unless the config names another logger.
+
+Callbacks such as ``lightning_bnp.BatchNormPreconditioning`` are named in YAML under
+``trainer.callbacks`` or appended on the command line with ``--trainer.callbacks+=CLASS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from typing_extensions import override
+
+from example_projects.data import ImageDataModule, TorchvisionName
+
+
+class ProjectCLI(LightningCLI):
+    """LightningCLI with the data → model links and the project's data defaults.
+
+    Args:
+        model_class: the project's LightningModule (not subclass mode: its arguments are ``model.*``).
+        project: the name used for the default TensorBoard directory ``runs/<project>``.
+        prefer: the torchvision dataset ``data.dataset: auto`` looks for.
+        args: command-line arguments (``None``: ``sys.argv``), e.g. ``["fit", "--config", "cfg.yaml"]``.
+        run: run the subcommand (``False``: only parse and instantiate; ``args`` then has no subcommand).
+    """
+
+    def __init__(
+        self,
+        model_class: type[pl.LightningModule],
+        *,
+        project: str,
+        prefer: TorchvisionName,
+        args: ArgsType = None,
+        run: bool = True,
+    ) -> None:
+        self.project, self.prefer = project, prefer
+        trainer_defaults: dict[str, Any] = {
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {"save_dir": "runs", "name": project},
+            },
+        }
+        super().__init__(
+            model_class,
+            ImageDataModule,
+            trainer_defaults=trainer_defaults,
+            # a rerun into the same log directory (e.g. with fast_dev_run) replaces its config.yaml
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+        )
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.set_defaults({"data.prefer": self.prefer})
+        parser.link_arguments("data.input_shape", "model.input_shape", apply_on="instantiate")
+        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+
+
+def run_cli(
+    model_class: type[pl.LightningModule],
+    args: ArgsType = None,
+    *,
+    project: str,
+    prefer: TorchvisionName,
+    run: bool = True,
+) -> ProjectCLI:
+    """Build (and by default run) the project's CLI; returns it so tests can inspect the trainer and model."""
+    return ProjectCLI(model_class, project=project, prefer=prefer, args=args, run=run)

@@ -1,0 +1,47 @@
+"""The LightningModule of ``cnn_cifar``: the 5-layer CNN of the BNP paper's §5 (TensorFlow's CIFAR-10 tutorial CNN)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from example_projects.classifier import Classifier
+from example_projects.models import cnn5
+
+
+class CNNClassifier(Classifier):
+    """Three 3×3 convolutions (32-64-32 filters, ReLU, max-pooling after the first two) and two dense layers.
+
+    BNP is the ``lightning_bnp.BatchNormPreconditioning`` callback named in the YAML config; with it,
+    ``norm`` stays ``"none"``.
+
+    Args:
+        norm: ``"none"`` (vanilla, or BNP with the callback), ``"bn"`` or ``"gn"`` after each
+            convolution's ReLU.
+        gn_groups: GroupNorm's number of groups (must divide 32 and 64).
+        lr: learning rate (paper's Table 3, CIFAR-10: batch 128 → 0.1 for vanilla, BN and BNP;
+            batch 2 → vanilla 1e-3, BN 1e-3, BNP 1e-2).
+        momentum: SGD momentum (paper: plain SGD).
+        weight_decay: L2 weight decay.
+        optimizer: ``"sgd"`` or ``"adam"`` (the paper used Adam for the vanilla network at batch 128).
+        input_shape: image shape (c, h, w); linked from ``data.input_shape`` by the CLI.
+        num_classes: number of classes; linked from ``data.num_classes`` by the CLI.
+    """
+
+    def __init__(
+        self,
+        *,
+        norm: Literal["none", "bn", "gn"] = "none",
+        gn_groups: int = 4,
+        lr: float = 0.1,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        optimizer: Literal["sgd", "adam"] = "sgd",
+        input_shape: tuple[int, int, int] = (3, 32, 32),
+        num_classes: int = 10,
+    ) -> None:
+        c, h, _ = input_shape
+        network = cnn5(c, h, num_classes, norm=norm, groups=gn_groups)
+        super().__init__(
+            network, lr=lr, momentum=momentum, num_classes=num_classes, weight_decay=weight_decay, optimizer=optimizer
+        )
+        self.save_hyperparameters()

@@ -1,0 +1,21 @@
+"""``python -m example_projects.fc_mnist fit --config example_projects/fc_mnist/configs/<vanilla|bn|ln|bnp>.yaml``
+
+``data.dataset: auto`` uses torchvision's MNIST files when they are in ``data.data_dir`` and the bundled
+scikit-learn digits otherwise.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.cli import ArgsType
+
+from example_projects.cli import ProjectCLI, run_cli
+from example_projects.fc_mnist.model import FCClassifier
+
+
+def cli_main(args: ArgsType = None, *, run: bool = True) -> ProjectCLI:
+    """The project's LightningCLI (``args=None`` reads ``sys.argv``)."""
+    return run_cli(FCClassifier, args, project="fc_mnist", prefer="mnist", run=run)
+
+
+if __name__ == "__main__":
+    cli_main()

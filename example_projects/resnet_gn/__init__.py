@@ -1,0 +1,8 @@
+"""resnet_gn: a CIFAR ResNet (depth 20 for quick runs, 110 as in the BNP paper §5) with BN, GN and BNP+GN.
+
+Run: ``python -m example_projects.resnet_gn fit --config example_projects/resnet_gn/configs/bnp_gn_20.yaml``
+"""
+
+from example_projects.resnet_gn.model import ResNetClassifier
+
+__all__ = ["ResNetClassifier"]

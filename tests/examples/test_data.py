@@ -1,0 +1,204 @@
+"""The example projects' data selection: torchvision files when present, the offline digits otherwise, one log line,
+a clear error for an explicit dataset whose files are missing; nothing downloads.
+
+MNIST and CIFAR-10 are faked with a few images written in torchvision's on-disk layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from example_projects.cnn_cifar.__main__ import cli_main as cnn_cifar_main
+from example_projects.data import ImageDataModule
+from example_projects.fc_mnist.__main__ import cli_main as fc_mnist_main
+
+QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def data_lines(self) -> list[str]:
+        return [m for m in self.messages if m.startswith("example data:")]
+
+
+@pytest.fixture
+def data_log() -> Iterator[_Records]:
+    """What ``rank_zero_info`` logs (Lightning's ``lightning.pytorch.utilities.rank_zero`` logger)."""
+    handler = _Records()
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["example_projects"])
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    """An IDX file (the MNIST format): 0, 0, dtype 0x08 (ubyte), ndim; big-endian int32 sizes; the bytes."""
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def fake_mnist(root: Path, n_train: int = 40, n_test: int = 20) -> None:
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, (n,)))
+
+
+def fake_cifar10(root: Path, monkeypatch: pytest.MonkeyPatch, per_batch: int = 8) -> None:
+    """CIFAR-10's python pickles; torchvision's md5 check is replaced by an existence check."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        entry = {
+            "data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            "labels": [i % 10 for i in range(per_batch)],
+        }
+        (folder / name).write_bytes(pickle.dumps(entry))
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [str(i) for i in range(10)]}))
+    monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda fpath, md5=None: os.path.isfile(fpath))
+
+
+@pytest.mark.parametrize(("prefer", "title"), [("mnist", "MNIST"), ("cifar10", "CIFAR-10")])
+def test_auto_falls_back_to_digits_with_one_log_line(
+    tmp_path: Path, data_log: _Records, prefer: str, title: str
+) -> None:
+    data = ImageDataModule(dataset="auto", prefer=prefer, data_dir=str(tmp_path))  # type: ignore[arg-type]
+    assert data.dataset == "digits" and data.input_shape == (1, 8, 8)
+    (line,) = data_log.data_lines()
+    assert "scikit-learn digits" in line and "offline fallback" in line
+    assert f"no torchvision {title} files in '{tmp_path}'" in line
+
+
+def test_cli_logs_exactly_one_data_line(tmp_path: Path, data_log: _Records) -> None:
+    cli = fc_mnist_main([f"--data.data_dir={tmp_path / 'nowhere'}"], run=False)
+    assert cli.datamodule.dataset == "digits"
+    assert len(data_log.data_lines()) == 1
+
+
+def test_explicit_digits_says_so(data_log: _Records) -> None:
+    ImageDataModule(dataset="digits")
+    (line,) = data_log.data_lines()
+    assert "as requested" in line
+
+
+@pytest.mark.parametrize(("dataset", "title"), [("mnist", "MNIST"), ("cifar10", "CIFAR-10")])
+def test_explicit_dataset_with_missing_files_raises(tmp_path: Path, dataset: str, title: str) -> None:
+    with pytest.raises(
+        FileNotFoundError, match=rf"`data.dataset` is '{dataset}' but torchvision's {title} files are not in"
+    ):
+        ImageDataModule(dataset=dataset, data_dir=str(tmp_path))  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []  # nothing was downloaded
+
+
+def test_explicit_missing_files_error_reaches_the_cli(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="Nothing is downloaded"):
+        fc_mnist_main(["fit", "--data.dataset=mnist", f"--data.data_dir={tmp_path}", "--trainer.fast_dev_run=true"])
+
+
+def test_auto_uses_mnist_files_when_present(tmp_path: Path, data_log: _Records) -> None:
+    fake_mnist(tmp_path)
+    data = ImageDataModule(dataset="auto", prefer="mnist", data_dir=str(tmp_path), val_size=10)
+    assert data.dataset == "mnist" and data.input_shape == (1, 28, 28)
+    (line,) = data_log.data_lines()
+    assert f"MNIST from torchvision files in '{tmp_path}'" in line and "found" in line
+    data.setup("fit")
+    assert [len(data.splits[s]) for s in ("train", "val", "test")] == [30, 10, 20]
+    x, y = data.splits["train"][0]
+    assert x.shape == (1, 28, 28) and x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1
+    assert y.dtype == torch.int64
+
+
+def test_fc_mnist_trains_on_mnist_files(tmp_path: Path) -> None:
+    fake_mnist(tmp_path / "data")
+    config = Path(__file__).resolve().parents[2] / "example_projects/fc_mnist/configs/bnp.yaml"
+    cli = fc_mnist_main(["fit", "--config", str(config), "--data.val_size=10", "--trainer.fast_dev_run=true", *QUIET])
+    assert cli.datamodule.dataset == "mnist"  # the config's relative data_dir "data", inside tmp_path
+    assert cli.model.hparams["input_shape"] == (1, 28, 28)
+    assert cli.trainer.state.finished
+
+
+def test_cnn_cifar_trains_on_cifar10_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cifar10(tmp_path, monkeypatch)
+    cli = cnn_cifar_main(
+        [
+            "fit",
+            "--data.dataset=cifar10",
+            f"--data.data_dir={tmp_path}",
+            "--data.val_size=8",
+            "--data.augment=true",
+            "--data.normalize=true",
+            "--trainer.fast_dev_run=true",
+            *QUIET,
+        ]
+    )
+    assert cli.model.hparams["input_shape"] == (3, 32, 32)
+    data = cli.datamodule
+    assert [len(data.splits[s]) for s in ("train", "val", "test")] == [32, 8, 8]
+    assert data.splits["train"].flip and data.splits["train"].crop_padding == 4
+    assert not data.splits["val"].flip and data.splits["val"].crop_padding == 0
+
+
+def test_normalize_standardizes_the_training_split() -> None:
+    data = ImageDataModule(dataset="digits", normalize=True)
+    data.setup("fit")
+    train = torch.stack([data.splits["train"][i][0] for i in range(len(data.splits["train"]))])
+    assert train.mean().abs() < 1e-4 and (train.std() - 1).abs() < 1e-3
+
+
+def test_augment_pads_and_crops_digits_without_flips() -> None:
+    data = ImageDataModule(dataset="digits", augment=True)
+    data.setup("fit")
+    train = data.splits["train"]
+    assert train.crop_padding == 1 and not train.flip
+    torch.manual_seed(0)
+    crops = torch.stack([train[0][0] for _ in range(20)])
+    assert crops.shape == (20, 1, 8, 8) and not torch.equal(crops.min(0).values, crops.max(0).values)
+
+
+def test_data_loaders_use_the_batch_sizes() -> None:
+    data = ImageDataModule(dataset="digits", batch_size=1, eval_batch_size=100)
+    data.setup("fit")
+    x, _ = next(iter(data.train_dataloader()))
+    assert x.shape == (1, 1, 8, 8)
+    assert next(iter(data.val_dataloader()))[0].shape[0] == 100
+    assert len(data.test_dataloader().dataset) == 300
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dataset": "imagenet"}, "`dataset` must be 'auto', 'mnist', 'cifar10' or 'digits', got 'imagenet'"),
+        ({"prefer": "digits"}, "`prefer` must be 'mnist' or 'cifar10', got 'digits'"),
+        ({"batch_size": 0}, "`batch_size` must be >= 1, got 0"),
+        ({"eval_batch_size": 0}, "`eval_batch_size` must be >= 1, got 0"),
+        ({"val_size": 0}, "`val_size` must be >= 1, got 0"),
+        ({"num_workers": -1}, "`num_workers` must be >= 0, got -1"),
+    ],
+)
+def test_invalid_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ImageDataModule(**kwargs)

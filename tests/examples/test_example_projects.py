@@ -1,0 +1,180 @@
+"""The example projects under LightningCLI: every YAML config parses, round-trips through ``--print_config`` and
+runs ``fast_dev_run``; callbacks can be appended on the command line.
+
+The CLIs run in-process (``cli_main([...])``) from inside ``tmp_path``, on the offline digits (the configs' ``auto``
+falls back to them there; the tests also force ``--data.dataset=digits``). New configs are picked up by the glob.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lightning.pytorch.callbacks import LearningRateMonitor
+
+from example_projects.cli import ProjectCLI
+from lightning_bnp import BatchNormPreconditioning
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECTS = ("fc_mnist", "cnn_cifar", "resnet_gn", "online", "weight_conditioning")
+CONFIGS = sorted(ROOT.glob("example_projects/*/configs/*.yaml"))
+# fast_dev_run only: ResNet configs run at depth 8 (their own depth, 20 or 110, is checked by the print test)
+FAST_OVERRIDES = {"resnet_gn": ["--model.depth=8"]}
+QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+def _project(config: Path) -> str:
+    return config.parent.parent.name
+
+
+def _config_params() -> list[Any]:
+    params = []
+    for config in CONFIGS:
+        params.append(pytest.param(config, id=f"{_project(config)}/{config.stem}"))
+    return params
+
+
+def _cli_main(project: str) -> Callable[..., ProjectCLI]:
+    return importlib.import_module(f"example_projects.{project}.__main__").cli_main
+
+
+def _fast_dev_run(project: str, tmp_path: Path, *args: str) -> ProjectCLI:
+    return _cli_main(project)(
+        [
+            "fit",
+            *args,
+            "--trainer.fast_dev_run=true",
+            "--trainer.accelerator=cpu",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--data.dataset=digits",
+            *QUIET,
+        ]
+    )
+
+
+def _print_config(project: str, config: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        _cli_main(project)(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relative paths in the configs (``runs``, ``data``) resolve in ``tmp_path``; pytest's argv is not the CLI's."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["example_projects"])
+
+
+def test_every_project_has_configs() -> None:
+    assert {_project(config) for config in CONFIGS} == set(PROJECTS)
+    for project in PROJECTS:
+        for name in ("__init__.py", "__main__.py"):
+            assert (ROOT / "example_projects" / project / name).is_file()
+
+
+@pytest.mark.parametrize("config", _config_params())
+def test_config_runs_fast_dev_run(config: Path, tmp_path: Path) -> None:
+    project = _project(config)
+    cli = _fast_dev_run(project, tmp_path, "--config", str(config), *FAST_OVERRIDES.get(project, []))
+    assert cli.trainer.state.finished
+    assert cli.trainer.global_step == 1
+    # every callback the YAML names is on the trainer
+    for entry in yaml.safe_load(config.read_text())["trainer"].get("callbacks") or []:
+        module, _, name = entry["class_path"].rpartition(".")
+        kind = getattr(importlib.import_module(module), name)
+        assert any(isinstance(cb, kind) for cb in cli.trainer.callbacks), entry["class_path"]
+
+
+@pytest.mark.parametrize("config", _config_params())
+def test_print_config_round_trips(config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    project = _project(config)
+    printed = _print_config(project, config, capsys)
+    assert "class_path: lightning.pytorch.loggers.TensorBoardLogger" in printed
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert _print_config(project, tmp_path / "printed.yaml", capsys) == printed
+    # the printed config keeps the YAML's values
+    original, again = yaml.safe_load(config.read_text()), yaml.safe_load(printed)
+    for section in ("model", "data"):
+        for key, value in original[section].items():
+            assert again[section][key] == (list(value) if isinstance(value, tuple) else value), (section, key)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(ROOT / "example_projects/fc_mnist/configs/bnp.yaml", id="fc_mnist/bnp"),
+        pytest.param(ROOT / "example_projects/resnet_gn/configs/bnp_gn_20.yaml", id="resnet_gn/bnp_gn_20"),
+    ],
+)
+def test_printed_config_runs(config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    project = _project(config)
+    (tmp_path / "printed.yaml").write_text(_print_config(project, config, capsys))
+    cli = _fast_dev_run(project, tmp_path, "--config", str(tmp_path / "printed.yaml"), *FAST_OVERRIDES.get(project, []))
+    assert cli.trainer.state.finished
+    assert any(isinstance(cb, BatchNormPreconditioning) for cb in cli.trainer.callbacks)
+
+
+def test_callback_appended_on_command_line(tmp_path: Path) -> None:
+    config = ROOT / "example_projects/fc_mnist/configs/vanilla.yaml"
+    cli = _fast_dev_run(
+        "fc_mnist",
+        tmp_path,
+        "--config",
+        str(config),
+        "--trainer.callbacks+=lightning_bnp.BatchNormPreconditioning",
+        "--trainer.callbacks.rho=0.9",
+    )
+    bnp = [cb for cb in cli.trainer.callbacks if isinstance(cb, BatchNormPreconditioning)]
+    assert len(bnp) == 1 and bnp[0].rho == 0.9
+    assert bnp[0].preconditioner is not None and len(bnp[0].preconditioner.layers) == 4
+
+
+def test_callback_appended_to_the_configs_callbacks(tmp_path: Path) -> None:
+    config = ROOT / "example_projects/online/configs/fc_bnp.yaml"
+    cli = _fast_dev_run(
+        "online",
+        tmp_path,
+        "--config",
+        str(config),
+        "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor",
+    )
+    kinds = [type(cb) for cb in cli.trainer.callbacks]
+    assert BatchNormPreconditioning in kinds and LearningRateMonitor in kinds
+
+
+def test_callback_appended_without_config(tmp_path: Path) -> None:
+    cli = _fast_dev_run("cnn_cifar", tmp_path, "--trainer.callbacks+=lightning_bnp.BatchNormPreconditioning")
+    assert any(isinstance(cb, BatchNormPreconditioning) for cb in cli.trainer.callbacks)
+
+
+def test_weight_conditioning_appended_on_command_line(tmp_path: Path) -> None:
+    config = ROOT / "example_projects/weight_conditioning/configs/cnn_bn.yaml"
+    cli = _fast_dev_run(
+        "weight_conditioning",
+        tmp_path,
+        "--config",
+        str(config),
+        "--trainer.callbacks+=lightning_bnp.WeightConditioning",
+        "--trainer.callbacks.layers=first_and_last",
+    )
+    assert any(type(cb).__name__ == "WeightConditioning" for cb in cli.trainer.callbacks)
+
+
+def test_default_logger_is_tensorboard_under_runs(tmp_path: Path) -> None:
+    cli = _cli_main("fc_mnist")(["--data.dataset=digits"], run=False)
+    logger = cli.trainer.logger
+    assert type(logger).__name__ == "TensorBoardLogger"
+    assert Path(logger.save_dir) == Path("runs") and logger.name == "fc_mnist"
+
+
+def test_data_shape_is_linked_into_the_model(tmp_path: Path) -> None:
+    cli = _cli_main("cnn_cifar")(["--data.dataset=digits"], run=False)
+    assert cli.model.hparams["input_shape"] == (1, 8, 8)
+    assert cli.model.hparams["num_classes"] == 10

@@ -1,0 +1,152 @@
+"""The example projects' networks and LightningModules: ResNet depth and init, the Appendix B learning-rate schedule
+wired through Lightning, argument validation, and the unchanged ``make demo`` script."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from typing_extensions import override
+
+from example_projects import fc_digits
+from example_projects.classifier import Classifier
+from example_projects.data import ImageDataModule
+from example_projects.models import BasicBlock, cifar_resnet
+from example_projects.online import OnlineClassifier
+from example_projects.resnet_gn import ResNetClassifier
+from example_projects.weight_conditioning import WCClassifier
+
+
+@pytest.mark.parametrize(("depth", "blocks"), [(8, 3), (20, 9), (110, 54)])
+def test_resnet_depth_counts_weight_layers(depth: int, blocks: int) -> None:
+    net = cifar_resnet(depth, in_channels=1, norm="gn")
+    assert sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in net.modules()) == depth
+    assert sum(isinstance(m, BasicBlock) for m in net.modules()) == blocks
+    assert net(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+
+
+def test_resnet_norms_and_biases() -> None:
+    gn = cifar_resnet(8, norm="gn", groups=4)
+    assert {m.num_groups for m in gn.modules() if isinstance(m, nn.GroupNorm)} == {4}
+    assert all(m.bias is None for m in gn.modules() if isinstance(m, nn.Conv2d))  # a norm follows every conv
+    plain = cifar_resnet(8, norm="none")
+    assert all(m.bias is not None for m in plain.modules() if isinstance(m, nn.Conv2d))
+    assert any(isinstance(m, nn.BatchNorm2d) for m in cifar_resnet(8, norm="bn").modules())
+
+
+def test_resnet_he_normal_init_is_scaled() -> None:
+    torch.manual_seed(0)
+    net = cifar_resnet(110, norm="gn", init_scale=0.1)
+    conv = [m for m in net.modules() if isinstance(m, nn.Conv2d)][-1]  # 64 → 64 channels, 3×3
+    expected = 0.1 * math.sqrt(2 / (64 * 9))
+    assert conv.weight.std().item() == pytest.approx(expected, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"depth": 21}, r"`depth` must be 6n \+ 2"),
+        ({"depth": 2}, r"`depth` must be 6n \+ 2"),
+        ({"norm": "ln"}, "`norm` must be 'none', 'bn' or 'gn' for the ResNet"),
+        ({"norm": "gn", "groups": 3}, "`groups` must divide every stage width"),
+        ({"init_scale": 0.0}, "`init_scale` must be > 0"),
+    ],
+)
+def test_resnet_invalid_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        cifar_resnet(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warmup_start_lr": 0.5}, r"`warmup_start_lr` must be in \(0, lr=0.1\], got 0.5"),
+        ({"warmup_steps": -1}, "`warmup_steps` must be >= 0, got -1"),
+        ({"lr_decay": 0.0}, r"`lr_decay` must be in \(0, 1\], got 0.0"),
+    ],
+)
+def test_resnet_module_invalid_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ResNetClassifier(depth=8, **kwargs)
+
+
+class _RecordLR(pl.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_resnet_warmup_then_step_decay_under_lightning(tmp_path: Path) -> None:
+    """Linear warm-up 0.01 → 0.1 per step, then ÷10 at the epoch milestones (Appendix B), in a real fit."""
+    model = ResNetClassifier(depth=8, input_shape=(1, 8, 8), warmup_steps=4, milestones=(2,))
+    record = _RecordLR()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_epochs=3,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+    )
+    trainer.fit(model, datamodule=ImageDataModule(dataset="digits", batch_size=16))
+    warm = [0.01 + 0.09 * step / 4 for step in range(4)]
+    expected = [*warm, 0.1, 0.1, 0.01, 0.01, 0.01]
+    assert record.lrs == pytest.approx(expected)
+
+
+def test_resnet_without_warmup_starts_at_lr() -> None:
+    optimizers, schedulers = ResNetClassifier(depth=8, warmup_steps=0).configure_optimizers()  # type: ignore[misc]
+    assert optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1)
+    assert [s["interval"] for s in schedulers] == ["epoch"]
+
+
+def test_classifier_optimizers() -> None:
+    net = nn.Linear(4, 2)
+    sgd = Classifier(net, lr=0.5, momentum=0.9, weight_decay=1e-4).configure_optimizers()
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["weight_decay"] == 1e-4
+    adam = Classifier(net, lr=1e-3, optimizer="adam").configure_optimizers()
+    assert isinstance(adam, torch.optim.Adam)
+    with pytest.raises(ValueError, match="`optimizer` must be 'sgd' or 'adam', got 'rmsprop'"):
+        Classifier(net, optimizer="rmsprop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`lr` must be > 0, got 0"):
+        Classifier(net, lr=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"network": "fc", "norm": "gn"}, "`norm` 'gn' needs `network` 'cnn5'"),
+        ({"network": "cnn5", "norm": "ln"}, "`norm` 'ln' needs `network` 'fc'"),
+        ({"network": "rnn"}, "`network` must be 'fc' or 'cnn5', got 'rnn'"),
+    ],
+)
+def test_online_invalid_combinations(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OnlineClassifier(**kwargs)
+
+
+def test_weight_conditioning_module_invalid_arguments() -> None:
+    with pytest.raises(ValueError, match="`network` must be 'cnn5' or 'mlp', got 'vit'"):
+        WCClassifier(network="vit")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`norm` must be 'none' or 'bn', got 'gn'"):
+        WCClassifier(norm="gn")  # type: ignore[arg-type]
+
+
+def test_fc_digits_demo_still_runs(tmp_path: Path) -> None:
+    """``make demo``'s script, one epoch."""
+    accuracy = fc_digits.main(["--epochs", "1", "--log-dir", str(tmp_path)])
+    assert 0.5 < accuracy <= 1.0
