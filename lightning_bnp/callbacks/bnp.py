@@ -26,17 +26,11 @@ from typing import Any, Literal, Optional, Protocol
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import (
-    DDPStrategy,
-    DeepSpeedStrategy,
-    SingleDeviceStrategy,
-    SingleDeviceXLAStrategy,
-    XLAStrategy,
-)
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bnp.callbacks._strategy import holds_full_replica
 from lightning_bnp.core.preconditioner import (
     DEFAULT_LAYER_TYPES,
     BNPPreconditioner,
@@ -147,8 +141,7 @@ class BatchNormPreconditioning(Callback):
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
-        sharded_or_xla = (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)
-        if isinstance(strategy, sharded_or_xla) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        if not holds_full_replica(strategy):
             raise RuntimeError(
                 f"BatchNormPreconditioning does not support the {type(strategy).__name__} strategy: it "
                 "needs every rank to hold full Linear/Conv weights and gradients. Supported: a single "

@@ -28,17 +28,11 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import (
-    DDPStrategy,
-    DeepSpeedStrategy,
-    SingleDeviceStrategy,
-    SingleDeviceXLAStrategy,
-    XLAStrategy,
-)
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_bnp.callbacks._strategy import holds_full_replica
 from lightning_bnp.core.conditioning import (
     DEFAULT_EPS,
     DEFAULT_LAYER_TYPES,
@@ -167,8 +161,7 @@ class WeightConditioning(Callback):
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
-        sharded_or_xla = (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)
-        if isinstance(strategy, sharded_or_xla) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        if not holds_full_replica(strategy):
             raise RuntimeError(
                 f"WeightConditioning does not support the {type(strategy).__name__} strategy (untested with "
                 "sharded or XLA parameters). Supported: a single device, and DDP with strategy='ddp'."

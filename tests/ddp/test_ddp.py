@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -12,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.ddp.launch import run_worker
+
 pytestmark = pytest.mark.slow
 
 N_SAMPLES = 160  # 10 steps per epoch at a global batch of 16: checkpoints fall on epoch ends
@@ -20,11 +18,7 @@ N_SAMPLES = 160  # 10 steps per epoch at a global batch of 16: checkpoints fall 
 
 def run_fit(out: Path, *args: str) -> list[dict[str, Any]]:
     """Run the worker and return every rank's final state."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "tests.ddp.fit_worker", "--out", str(out), "--n", str(N_SAMPLES), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [torch.load(path, weights_only=False) for path in sorted(out.glob("rank*.pt"))]
+    return run_worker("fit_worker", out, "--n", str(N_SAMPLES), *args)
 
 
 @cache

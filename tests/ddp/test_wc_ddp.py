@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.ddp.launch import run_worker
+
 pytestmark = pytest.mark.slow
 
 
 def run_fit(out: Path, *args: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "tests.ddp.wc_worker", "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [torch.load(path, weights_only=False) for path in sorted(out.glob("rank*.pt"))]
+    return run_worker("wc_worker", out, *args)
 
 
 def test_two_ranks_of_half_batch_are_identical_and_equal_one_process(tmp_path: Path) -> None:
