@@ -30,6 +30,8 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.warm_start --pixel-scale 16
 	$(BIN)/python -m benchmarks.ddp_sync
 	$(BIN)/python -m benchmarks.regularization
+	$(BIN)/python -m benchmarks.weight_conditioning
+	$(BIN)/python -m benchmarks.monitor_overhead
 
 clean:
 	rm -rf $(VENV) runs benchmarks/out .pytest_cache .mypy_cache .ruff_cache

@@ -1,7 +1,15 @@
 """Lightning callbacks: thin adapters that decide when the pure-torch core runs."""
 
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
+from lightning_bnp.callbacks.condition_monitor import ConditionNumberMonitor
 from lightning_bnp.callbacks.regularization import ZSpaceRegularization
+from lightning_bnp.callbacks.timing_monitor import TimingMonitor
 from lightning_bnp.callbacks.weight_conditioning import WeightConditioning
 
-__all__ = ["BatchNormPreconditioning", "WeightConditioning", "ZSpaceRegularization"]
+__all__ = [
+    "BatchNormPreconditioning",
+    "ConditionNumberMonitor",
+    "TimingMonitor",
+    "WeightConditioning",
+    "ZSpaceRegularization",
+]

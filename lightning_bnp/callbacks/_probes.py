@@ -1,0 +1,203 @@
+"""Re-evaluating a training step's loss without side effects (helpers of :mod:`.condition_monitor`).
+
+The probes of :class:`~lightning_bnp.callbacks.condition_monitor.ConditionNumberMonitor` need the
+step's loss L as a function of some of the parameters (paper 000, Prop. 2: ∇²_ŵ L of one neuron;
+paper 003, App. A.2.2: L and ∇L along the step direction). :class:`StepLoss` calls the
+LightningModule's ``training_step`` on the captured batches through ``torch.func.functional_call``
+on detached parameters and cloned buffers, so nothing the Trainer owns is written: no ``.grad``, no
+BatchNorm running statistics, no BNP statistics (paused by the caller), no ``self.log`` (silenced)
+and no random state (:func:`preserved_rng` restores torch's CPU/CUDA, NumPy's and Python's).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from lightning_bnp.core import metrics as M
+from lightning_bnp.core.preconditioner import BNPPreconditioner, _Layer
+from lightning_bnp.core.transform import var_tilde
+
+__all__ = [
+    "Captured",
+    "NoLoss",
+    "StepLoss",
+    "is_neuron_layer",
+    "learning_rates",
+    "neuron_p",
+    "preserved_rng",
+    "silenced_logging",
+    "statistics",
+    "trainable_weight",
+]
+
+
+@dataclass
+class Captured:
+    """A micro-batch of the measured step and the torch RNG state its forward started from."""
+
+    batch: Any
+    batch_idx: int
+    cpu_rng: Tensor
+    cuda_rng: Tensor | None
+
+    def cloned(self) -> Captured:
+        """A copy whose tensors do not alias the DataLoader's (for the fixed Lanczos probe batch)."""
+        batch = apply_to_collection(self.batch, Tensor, lambda t: t.detach().clone())
+        return Captured(batch, self.batch_idx, self.cpu_rng, self.cuda_rng)
+
+
+class NoLoss(Exception):
+    """``training_step`` returned no loss tensor (e.g. ``None`` to skip the batch)."""
+
+
+class _TrainingStep(nn.Module):
+    """``training_step`` as a forward, so that ``functional_call`` can substitute the module's tensors."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any, batch_idx: int) -> Any:
+        return self.module.training_step(batch, batch_idx)
+
+
+class StepLoss:
+    """The step's loss as a function of replaced tensors (keys: ``named_parameters`` names).
+
+    Micro-batches of an accumulated step are summed with Lightning's 1/accumulate factor. With a
+    ``dtype`` every floating parameter, buffer and batch tensor is cast to it and autocast is off;
+    without, the Trainer's precision context (autocast) is used. Each micro-batch runs with the
+    torch RNG state its training forward had, so dropout masks match the step's.
+    """
+
+    def __init__(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batches: list[Captured], dtype: torch.dtype | None
+    ) -> None:
+        def cast(t: Tensor) -> Tensor:
+            return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+        self.wrapper = _TrainingStep(module)
+        self.params = {name: cast(p.detach()) for name, p in module.named_parameters()}
+        self.buffers = {name: cast(b.detach()) for name, b in module.named_buffers()}
+        self.batches = [(apply_to_collection(c.batch, Tensor, cast), c) for c in batches]
+        self.accumulate = trainer.accumulate_grad_batches
+        self.context = trainer.precision_plugin.train_step_context if dtype is None else nullcontext
+        self.device = module.device
+
+    def __call__(self, replaced: dict[str, Tensor]) -> Tensor:
+        # buffers are cloned per call: a BatchNorm in training mode updates them in place
+        values = {**self.params, **{k: b.clone() for k, b in self.buffers.items()}, **replaced}
+        values = {f"module.{k}": v for k, v in values.items()}
+        total: Tensor | None = None
+        for batch, captured in self.batches:
+            torch.set_rng_state(captured.cpu_rng)  # the caller restores the RNG (preserved_rng)
+            if captured.cuda_rng is not None:
+                torch.cuda.set_rng_state(captured.cuda_rng, self.device)
+            with self.context():
+                out = torch.func.functional_call(self.wrapper, values, (batch, captured.batch_idx), strict=False)
+            loss = out["loss"] if isinstance(out, dict) else out
+            if not isinstance(loss, Tensor):
+                raise NoLoss
+            total = loss / self.accumulate if total is None else total + loss / self.accumulate
+        assert total is not None
+        return total
+
+
+@contextmanager
+def preserved_rng(device: torch.device) -> Iterator[None]:
+    """Restore torch's (CPU and ``device``'s CUDA), NumPy's global and Python's ``random`` state on exit,
+    so that a probe that re-runs ``training_step`` (which may draw from any of them) leaves the run's
+    random streams exactly where they were."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+@contextmanager
+def silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``self.log``/``self.log_dict`` do nothing while ``training_step`` is re-run by a probe."""
+    saved = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
+    pl_module.log = _no_log  # type: ignore[method-assign]
+    pl_module.log_dict = _no_log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name in ("log", "log_dict"):
+            if name in saved:
+                setattr(pl_module, name, saved[name])
+            else:
+                delattr(pl_module, name)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def is_neuron_layer(module: nn.Module) -> bool:
+    """Linear or a (non-transposed) ConvNd: ``weight[i]`` is output neuron i's incoming weights."""
+    if isinstance(module, nn.Linear):
+        return True
+    return isinstance(module, nn.modules.conv._ConvNd) and not module.transposed
+
+
+def trainable_weight(module: nn.Module) -> Tensor:
+    """The trainable weight: ``parametrizations.weight.original`` for a parametrized layer."""
+    if parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations.weight.original  # type: ignore[union-attr,return-value]
+    return module.weight  # type: ignore[return-value]
+
+
+def learning_rates(trainer: pl.Trainer, *, sgd_only: bool = False) -> dict[int, float]:
+    """``{id(parameter): lr}`` over the Trainer's optimizers (only ``torch.optim.SGD`` ones if ``sgd_only``)."""
+    return {
+        id(p): float(g["lr"])
+        for opt in trainer.optimizers
+        if not sgd_only or isinstance(opt, torch.optim.SGD)
+        for g in opt.param_groups
+        for p in g["params"]
+    }
+
+
+def statistics(pre: BNPPreconditioner, layer: _Layer) -> tuple[Tensor, Tensor]:
+    """(μ, σ̃²) of BNP's latest step for this layer; from the running statistics if it has not stepped."""
+    if layer.transform is not None:
+        mu = layer.transform.mu if layer.transform.mu is not None else layer.running.mu
+        return mu, layer.transform.var_t
+    return layer.running.mu, var_tilde(layer.running.var, pre.eps1, pre.eps2)
+
+
+def neuron_p(pre: BNPPreconditioner, layer: _Layer, index: int, *, centred: bool) -> Tensor:
+    """BNP's P for output neuron ``index`` of ``layer`` (float64).
+
+    A grouped convolution's neuron sees only its group's c_in/groups input channels, each repeated
+    over the kernel volume (§4). ``centred`` is false when the neuron has no (trainable) bias: then
+    P = diag(1/σ̃), the block the transform applies to such a layer.
+    """
+    mu, var_t = statistics(pre, layer)
+    out = layer.module.weight.shape[0]  # type: ignore[index]
+    per_group = layer.features // layer.groups
+    group = index // (out // layer.groups)
+    sl = slice(group * per_group, (group + 1) * per_group)
+    return M.neuron_preconditioner(mu[sl] if centred else None, var_t[sl], layer.fan_in // per_group)
+
+
+def min_ratio(s: M.Spectrum) -> float:
+    """λ_min / max|λ|, signed (NaN for the zero matrix)."""
+    scale = max(abs(s.lambda_min), abs(s.lambda_max))
+    return s.lambda_min / scale if scale > 0 else math.nan

@@ -1,0 +1,380 @@
+"""Condition numbers and landscape probes in the Trainer's logger (paper 000 §3.3, §5.1 Fig. 8; 003 §3.2; 002 §2).
+
+Every ``every_n_steps`` optimizer steps (steps 0, n, 2n, … counted from 0) this callback logs, after
+the step (``on_train_batch_end``), with :mod:`lightning_bnp.core.metrics`:
+
+* ``bnp/kappa_D/<layer>`` — κ(D) = max σ̃ / min σ̃ of each BNP layer;
+* ``bnp/hessian_kappa/<layer>/original|preconditioned``, ``bnp/hessian_min_ratio/…`` (λ_min / max|λ|)
+  and ``bnp/hessian_rank/<layer>`` — the exact Hessian of the step's loss with respect to one output
+  neuron's ŵ = [b_i; w_i] (Prop. 2), and Pᵀ∇²L P with BNP's P (Theorem 3) from the σ̃, μ of BNP's
+  latest step;
+* ``bnp/weight_kappa/<layer>/raw`` (and ``/conditioned`` for parametrized, e.g. Weight-Conditioned, layers);
+* ``bnp/effective_lr/<layer>`` — η/‖w‖² of scale-invariant weights (paper 002);
+* optionally ``bnp/lanczos/lambda_min|lambda_max`` (whole model, fixed probe batch) and
+  ``bnp/landscape/loss_range|grad_change|beta_smoothness`` (paper 003, App. A.2.2).
+
+Measuring never changes training: the step's loss is re-evaluated by calling ``training_step`` on the
+step's batches through ``torch.func.functional_call`` on detached copies of the parameters and cloned
+buffers (gradients come from ``torch.autograd.grad``, never ``.grad``), with BNP's statistics paused,
+``self.log`` silenced, and the torch (CPU, CUDA), NumPy and Python random states restored afterwards
+(each re-run starts from the torch state the step's forward had, so dropout masks match). Metric
+objects that ``training_step`` updates (e.g. torchmetrics) are updated again by the probes.
+Helpers live in :mod:`._probes`; tags and the TensorBoard layout in :mod:`._logging`.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack, nullcontext
+from fnmatch import fnmatchcase
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from typing_extensions import override
+
+from lightning_bnp.callbacks import _probes as probes
+from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
+from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
+from lightning_bnp.core import metrics as M
+from lightning_bnp.core.preconditioner import BNPPreconditioner
+
+__all__ = ["ConditionNumberMonitor"]
+
+
+class ConditionNumberMonitor(Callback):
+    """Log κ(D), exact Hessian-block κ (original and BNP-preconditioned), weight κ, effective learning
+    rates and, optionally, Lanczos extremes and paper 003's landscape probes.
+
+    .. math::
+        κ(∇^2_{\\hat w} L) = \\frac{\\max|λ|}{\\min_{|λ| > τ \\max|λ|} |λ|}, \\qquad
+        ∇^2_z L = P^T ∇^2_{\\hat w} L\\, P
+
+    Args:
+        every_n_steps: log after optimizer steps 0, n, 2n, … (≥ 1). The default keeps the cost of the
+            default metrics under 5% of training time on the paper's FC network (docs/monitors.md).
+        layers: glob patterns of Linear/ConvNd module names for the per-layer metrics (all when ``None``).
+        kappa_d: log κ(D) of each BNP layer.
+        hessian_block: log the Hessian-block κ of one neuron per selected layer.
+        hessian_layers: glob patterns of the layers whose neuron Hessian is computed; ``None``: the
+            last BNP layer (the output layer of the paper's Fig. 8), or the last Linear/ConvNd without BNP.
+        neuron: which output neuron (conv: output channel); taken modulo the layer's outputs.
+        hessian_precision: ``"float64"`` (the loss is re-evaluated in float64, autocast off, so κ up to
+            ~1e13 is resolved) or ``"model"`` (the model's dtype and autocast; κ beyond ~1e5 is noise in float32).
+        hessian_rtol: |λ| below ``hessian_rtol``·max|λ| count as zero (default: n·eps of the Hessian's dtype).
+        max_hessian_size: skip layers whose neuron has more than this many parameters (1 + fan-in).
+        weight_kappa: log κ of each weight matrix (raw and, when parametrized, conditioned).
+        effective_lr: log η/‖w‖² for scale-invariant layers (see ``metrics.scale_invariant_layers``).
+        lanczos: log the extreme Hessian eigenvalues of all trainable parameters on a fixed probe batch.
+        lanczos_iters: Lanczos steps (one Hessian-vector product each).
+        landscape: log paper 003's loss range, gradient change and effective β-smoothness.
+        landscape_steps: step multiples k; the probe visits θ − k·η·d (default [0.5, 1, 2, 3, 4], the
+            paper's [1/2, 4] range for VGG).
+        landscape_direction: d = ∇L (``"gradient"``, paper 003) or BNP's M·∇L (``"preconditioned"``).
+
+    Raises:
+        ValueError: an argument is out of range; (at setup) a pattern matches no Linear/ConvNd layer.
+
+    Example::
+
+        Trainer(callbacks=[BatchNormPreconditioning(), ConditionNumberMonitor(every_n_steps=100)])
+    """
+
+    def __init__(
+        self,
+        *,
+        every_n_steps: int = 500,
+        layers: Optional[list[str]] = None,
+        kappa_d: bool = True,
+        hessian_block: bool = True,
+        hessian_layers: Optional[list[str]] = None,
+        neuron: int = 0,
+        hessian_precision: Literal["float64", "model"] = "float64",
+        hessian_rtol: Optional[float] = None,
+        max_hessian_size: int = 1024,
+        weight_kappa: bool = True,
+        effective_lr: bool = True,
+        lanczos: bool = False,
+        lanczos_iters: int = 20,
+        landscape: bool = False,
+        landscape_steps: Optional[list[float]] = None,
+        landscape_direction: Literal["gradient", "preconditioned"] = "gradient",
+    ) -> None:
+        for name, value, low in (
+            ("every_n_steps", every_n_steps, 1),
+            ("neuron", neuron, 0),
+            ("max_hessian_size", max_hessian_size, 1),
+            ("lanczos_iters", lanczos_iters, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}")
+        for name, patterns in (("layers", layers), ("hessian_layers", hessian_layers)):
+            if patterns is not None and not patterns:
+                raise ValueError(f"`{name}` must be None or a non-empty list of patterns, got []")
+        if hessian_precision not in ("float64", "model"):
+            raise ValueError(f"`hessian_precision` must be 'float64' or 'model', got {hessian_precision!r}")
+        if hessian_rtol is not None and not 0.0 < hessian_rtol < 1.0:
+            raise ValueError(f"`hessian_rtol` must be None or in (0, 1), got {hessian_rtol}")
+        steps = [0.5, 1.0, 2.0, 3.0, 4.0] if landscape_steps is None else list(landscape_steps)
+        if not steps or not all(math.isfinite(k) and k > 0 for k in steps):
+            raise ValueError(f"`landscape_steps` must be a non-empty list of finite numbers > 0, got {landscape_steps}")
+        if landscape_direction not in ("gradient", "preconditioned"):
+            raise ValueError(
+                f"`landscape_direction` must be 'gradient' or 'preconditioned', got {landscape_direction!r}"
+            )
+        if not (kappa_d or hessian_block or weight_kappa or effective_lr or lanczos or landscape):
+            raise ValueError("every metric is switched off (`kappa_d`, `hessian_block`, ...): nothing to log")
+        self.every_n_steps, self.neuron = every_n_steps, neuron
+        self.layers, self.hessian_layers = layers, hessian_layers
+        self.kappa_d, self.hessian_block, self.weight_kappa = kappa_d, hessian_block, weight_kappa
+        self.hessian_precision, self.hessian_rtol = hessian_precision, hessian_rtol
+        self.max_hessian_size, self.effective_lr = max_hessian_size, effective_lr
+        self.lanczos, self.lanczos_iters = lanczos, lanczos_iters
+        self.landscape, self.landscape_steps, self.landscape_direction = landscape, steps, landscape_direction
+        self._bnp: BatchNormPreconditioning | None = None
+        self._layers: dict[str, nn.Module] = {}
+        self._hessian_names: list[str] = []
+        self._scale_invariant: dict[str, int] = {}
+        self._captured: list[probes.Captured] = []
+        self._probe_batch: list[probes.Captured] | None = None
+        self._step_at_start = -1
+        self._float64_failed = False
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        candidates = {name: m for name, m in pl_module.named_modules() if probes.is_neuron_layer(m)}
+        for arg, patterns in (("layers", self.layers), ("hessian_layers", self.hessian_layers)):
+            for pattern in patterns or ():
+                if not any(fnmatchcase(name, pattern) for name in candidates):
+                    raise ValueError(
+                        f"`{arg}` pattern {pattern!r} matches no Linear/ConvNd layer; "
+                        f"candidates are {sorted(candidates)}"
+                    )
+        self._layers = {n: m for n, m in candidates.items() if _matches(n, self.layers)}
+        bnps = [cb for cb in trainer.callbacks if isinstance(cb, BatchNormPreconditioning)]  # type: ignore[attr-defined]
+        self._bnp = bnps[0] if bnps else None
+        self._probe_batch = None
+        if not trainer.loggers:
+            rank_zero_warn("ConditionNumberMonitor: the Trainer has no logger, so nothing will be recorded.")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after every callback's `setup`: BNP's preconditioner exists whatever the callback order
+        pre = self._pre()
+        if pre is None and (self.kappa_d or self.landscape_direction == "preconditioned"):
+            rank_zero_info("ConditionNumberMonitor: no BatchNormPreconditioning callback; BNP metrics are skipped.")
+        base = [n for n in (pre.layers if pre is not None else self._layers) if n in self._layers]
+        if self.hessian_layers is None:
+            self._hessian_names = base[-1:]
+        else:
+            self._hessian_names = [n for n in base if _matches(n, self.hessian_layers)]
+        self._scale_invariant = (
+            {n: u for n, u in M.scale_invariant_layers(pl_module).items() if n in self._layers}
+            if self.effective_lr
+            else {}
+        )
+        sgd = probes.learning_rates(trainer, sgd_only=True)
+        if any(id(probes.trainable_weight(self._layers[n])) not in sgd for n in self._scale_invariant):
+            rank_zero_info(
+                "ConditionNumberMonitor: η/‖w‖² is the effective learning rate of (S)GD (paper 002); it is not "
+                "logged for scale-invariant layers that a non-SGD optimizer (e.g. Adam) trains."
+            )
+        needs_loss = (self.hessian_block and self._hessian_names) or self.lanczos or self.landscape
+        if needs_loss and not pl_module.automatic_optimization:
+            rank_zero_warn(
+                "ConditionNumberMonitor: Hessian, Lanczos and landscape probes re-run `training_step`, which "
+                "manual optimization does not allow; only κ(D), weight κ and effective learning rates are logged."
+            )
+        declare_layout(trainer, self._layout(pre))
+
+    def _layout(self, pre: BNPPreconditioner | None) -> dict[str, dict[str, list[str]]]:
+        """Custom Scalars charts: a category per kind, a chart per layer overlaying its variants."""
+        layout: dict[str, dict[str, list[str]]] = {}
+        if self.kappa_d and pre is not None:
+            layout["bnp/kappa_D"] = {"κ(D), all BNP layers": [chart("bnp", "kappa_D")]}
+        if self.hessian_block:
+            for kind in ("hessian_kappa", "hessian_min_ratio"):
+                layout[f"bnp/{kind}"] = {n: [chart("bnp", kind, n)] for n in self._hessian_names}
+            layout["bnp/hessian_rank"] = {"rank, all layers": [chart("bnp", "hessian_rank")]}
+        if self.weight_kappa:
+            layout["bnp/weight_kappa"] = {n: [chart("bnp", "weight_kappa", n)] for n in self._layers}
+        if self._scale_invariant:
+            layout["bnp/effective_lr"] = {"η/‖w‖², all layers": [chart("bnp", "effective_lr")]}
+        if self.lanczos:
+            layout["bnp/lanczos"] = {"λ_min, λ_max": [chart("bnp", "lanczos")]}
+        if self.landscape:
+            keys = ("loss_range", "grad_change", "beta_smoothness")
+            layout["bnp/landscape"] = {k: [chart("bnp", "landscape", k, variants=False)] for k in keys}
+        return {category: charts for category, charts in layout.items() if charts}
+
+    def _pre(self) -> BNPPreconditioner | None:
+        return self._bnp.preconditioner if self._bnp is not None else None
+
+    def _needs_batch(self, pl_module: pl.LightningModule) -> bool:
+        wanted = (self.hessian_block and bool(self._hessian_names)) or self.lanczos or self.landscape
+        return wanted and pl_module.automatic_optimization
+
+    # ------------------------------------------------------------- the batch
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step != self._step_at_start:
+            self._captured.clear()
+        self._step_at_start = step
+        if step % self.every_n_steps == 0 and self._needs_batch(pl_module):
+            cuda = torch.cuda.get_rng_state(pl_module.device) if pl_module.device.type == "cuda" else None
+            self._captured.append(probes.Captured(batch, batch_idx, torch.get_rng_state(), cuda))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = self._step_at_start
+        if trainer.global_step == step or step % self.every_n_steps != 0:
+            return  # no optimizer step in this batch (accumulation), or not a logging step
+        if trainer.loggers:
+            metrics = self.measure(trainer, pl_module)
+            log_metrics(trainer, metrics, step)
+        self._captured.clear()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._captured.clear()
+
+    # ------------------------------------------------------------ measuring
+    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+        """All enabled metrics for the current state (and the captured batches), without side effects."""
+        metrics: dict[str, float] = {}
+        pre = self._pre()
+        with torch.no_grad():
+            if self.kappa_d and pre is not None:
+                for name, layer in pre.layers.items():
+                    if name in self._layers:
+                        metrics[f"bnp/kappa_D/{name}"] = M.kappa_d(probes.statistics(pre, layer)[1])
+            if self.weight_kappa:
+                for name, module in self._layers.items():
+                    metrics[f"bnp/weight_kappa/{name}/raw"] = M.matrix_kappa(probes.trainable_weight(module))
+                    if parametrize.is_parametrized(module, "weight"):
+                        metrics[f"bnp/weight_kappa/{name}/conditioned"] = M.matrix_kappa(module.weight)  # type: ignore[arg-type]
+            lrs = probes.learning_rates(trainer, sgd_only=True)  # η/‖w‖² is (S)GD's effective rate (paper 002)
+            for name, units in self._scale_invariant.items():
+                module = self._layers[name]
+                weight = probes.trainable_weight(module)
+                if id(weight) in lrs:
+                    bias = module.bias if isinstance(module.bias, Tensor) else None
+                    metrics[f"bnp/effective_lr/{name}"] = M.effective_learning_rate(
+                        weight, bias, lrs[id(weight)], units
+                    )
+        if not self._captured:
+            return metrics
+        if self._probe_batch is None and self.lanczos:  # the fixed probe batch: the first one measured
+            self._probe_batch = [c.cloned() for c in self._captured]
+        with ExitStack() as stack:
+            stack.enter_context(probes.preserved_rng(pl_module.device))
+            stack.enter_context(pre.paused() if pre is not None else nullcontext())
+            stack.enter_context(probes.silenced_logging(pl_module))
+            try:
+                if self.hessian_block and self._hessian_names:
+                    metrics.update(self._hessian_metrics(trainer, pl_module, pre))
+                if self.landscape:
+                    metrics.update(self._landscape_metrics(trainer, pl_module, pre))
+                if self.lanczos and self._probe_batch is not None:
+                    metrics.update(self._lanczos_metrics(trainer, pl_module))
+            except probes.NoLoss:
+                self._warn_once("no_loss", "`training_step` returned no loss tensor; probes skipped this step.")
+        return metrics
+
+    def _hessian_metrics(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, pre: BNPPreconditioner | None
+    ) -> dict[str, float]:
+        float64 = self.hessian_precision == "float64" and not self._float64_failed
+        try:
+            loss = probes.StepLoss(trainer, pl_module, self._captured, torch.float64 if float64 else None)
+            names = {id(p): n for n, p in pl_module.named_parameters()}
+            blocks, used = [], []
+            for name in self._hessian_names:
+                module = self._layers[name]
+                out, fan_in = int(module.weight.shape[0]), int(module.weight[0].numel())  # type: ignore[index]
+                bias = module.bias if isinstance(module.bias, Tensor) and module.bias.requires_grad else None
+                if fan_in + (bias is not None) > self.max_hessian_size:
+                    self._warn_once(f"size:{name}", f"layer {name!r}: neuron Hessian larger than `max_hessian_size`")
+                    continue
+                if self.neuron >= out:
+                    self._warn_once(f"neuron:{name}", f"`neuron`={self.neuron} >= {out} outputs of {name!r}: modulo")
+                key_w = names[id(probes.trainable_weight(module))]
+                key_b = names[id(bias)] if bias is not None else None
+                b = loss.params[key_b] if key_b is not None else None
+                blocks.append(M.NeuronBlock(key_w, loss.params[key_w], key_b, b, self.neuron % out))
+                used.append(name)
+            hessians = M.neuron_hessians(loss, blocks)
+        except RuntimeError as err:
+            if not float64:
+                raise
+            self._float64_failed = True  # e.g. `training_step` builds float32 tensors: use the model's dtype
+            rank_zero_warn(f"ConditionNumberMonitor: float64 re-evaluation failed ({err}); using the model's dtype.")
+            return self._hessian_metrics(trainer, pl_module, pre)
+        metrics: dict[str, float] = {}
+        for name, block, h in zip(used, blocks, hessians):
+            original = M.spectrum(h, self.hessian_rtol)
+            metrics[f"bnp/hessian_kappa/{name}/original"] = original.kappa
+            metrics[f"bnp/hessian_min_ratio/{name}/original"] = probes.min_ratio(original)
+            metrics[f"bnp/hessian_rank/{name}"] = float(original.rank)
+            if pre is not None and name in pre.layers:
+                p = probes.neuron_p(pre, pre.layers[name], block.index, centred=block.bias is not None).to(h.device)
+                conditioned = M.spectrum(
+                    p.T @ h.double() @ p, self.hessian_rtol or h.shape[0] * torch.finfo(h.dtype).eps
+                )
+                metrics[f"bnp/hessian_kappa/{name}/preconditioned"] = conditioned.kappa
+                metrics[f"bnp/hessian_min_ratio/{name}/preconditioned"] = probes.min_ratio(conditioned)
+        return metrics
+
+    def _landscape_metrics(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, pre: BNPPreconditioner | None
+    ) -> dict[str, float]:
+        loss = probes.StepLoss(trainer, pl_module, self._captured, None)
+        lrs = probes.learning_rates(trainer)
+        named = {n: p for n, p in pl_module.named_parameters() if p.requires_grad and id(p) in lrs}
+        by_id = {id(p): n for n, p in named.items()}
+
+        def direction_of(grads: dict[str, Tensor]) -> dict[str, Tensor]:
+            if self.landscape_direction == "preconditioned" and pre is not None:
+                for layer in pre.layers.values():  # d = M·∇L with the M of BNP's latest step
+                    if layer.transform is not None and id(layer.weight) in by_id:
+                        vec_b = grads.get(by_id.get(id(layer.bias), "")) if layer.bias is not None else None
+                        layer.transform.apply_(grads[by_id[id(layer.weight)]], vec_b)
+            return {n: g * lrs[id(named[n])] for n, g in grads.items()}
+
+        params = {n: loss.params[n] for n in named}
+        result = M.landscape_probe(loss, params, direction_of, self.landscape_steps)
+        return {
+            "bnp/landscape/loss_range": result.loss_range,
+            "bnp/landscape/grad_change": result.grad_change,
+            "bnp/landscape/beta_smoothness": result.beta_smoothness,
+        }
+
+    def _lanczos_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+        assert self._probe_batch is not None
+        loss = probes.StepLoss(trainer, pl_module, self._probe_batch, None)
+        params = {n: loss.params[n] for n, p in pl_module.named_parameters() if p.requires_grad}
+        lam_min, lam_max = M.hessian_extremes(loss, params, self.lanczos_iters)
+        return {"bnp/lanczos/lambda_min": lam_min, "bnp/lanczos/lambda_max": lam_max}
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(f"ConditionNumberMonitor: {message}")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _matches(name: str, patterns: list[str] | None) -> bool:
+    return patterns is None or any(fnmatchcase(name, p) for p in patterns)

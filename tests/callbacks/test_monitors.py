@@ -1,0 +1,427 @@
+"""ConditionNumberMonitor and TimingMonitor: tags in TensorBoard, exact κ, and no effect on training."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import random
+import re
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from typing_extensions import override
+
+from lightning_bnp.callbacks import _probes as probes
+from lightning_bnp.callbacks import timing_monitor
+from lightning_bnp.callbacks._logging import log_metrics
+from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
+from lightning_bnp.callbacks.condition_monitor import ConditionNumberMonitor
+from lightning_bnp.callbacks.timing_monitor import TimingMonitor
+from tests.helpers import BoringClassifier, _fit, make_cnn, make_data
+
+
+class ColumnNorm(nn.Module):
+    """A stand-in for Weight Conditioning: unit-norm columns."""
+
+    def forward(self, w: Tensor) -> Tensor:
+        return w / w.norm(dim=0, keepdim=True)
+
+
+class LoggingClassifier(BoringClassifier):
+    """Logs inside ``training_step`` (the probes must not log again), draws from NumPy's and Python's
+    global RNGs (the probes must restore them) and returns a dict."""
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Any:  # type: ignore[override]
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return {"loss": loss + 0.0 * (np.random.rand() + random.random())}
+
+
+def bn_net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.BatchNorm1d(8), nn.Dropout(0.2), nn.Linear(8, 3))
+
+
+def tanh_net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def scalars(trainer: Any) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(trainer.logger.log_dir)
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def everything_on(**kwargs: Any) -> ConditionNumberMonitor:
+    return ConditionNumberMonitor(lanczos=True, lanczos_iters=5, landscape=True, **kwargs)
+
+
+def test_tags_are_logged_grouped_by_kind_and_layer_and_finite(tmp_path: Path) -> None:
+    net = bn_net()
+    parametrize.register_parametrization(net[0], "weight", ColumnNorm())
+    callbacks = [everything_on(every_n_steps=2), BatchNormPreconditioning(), TimingMonitor(every_n_steps=2)]
+    trainer = _fit(tmp_path, LoggingClassifier(net), make_data(), batch_size=16, callbacks=callbacks, max_steps=4,
+                   logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    expected = {
+        *(f"bnp/kappa_D/network.{i}" for i in (0, 4)),
+        "bnp/weight_kappa/network.0/raw",
+        "bnp/weight_kappa/network.0/conditioned",
+        "bnp/weight_kappa/network.4/raw",
+        "bnp/effective_lr/network.0",  # Linear → ReLU → BatchNorm1d
+        "bnp/hessian_kappa/network.4/original",  # default: the last BNP layer (the paper's Fig. 8)
+        "bnp/hessian_kappa/network.4/preconditioned",
+        "bnp/hessian_min_ratio/network.4/original",
+        "bnp/hessian_min_ratio/network.4/preconditioned",
+        "bnp/hessian_rank/network.4",
+        "bnp/lanczos/lambda_min",
+        "bnp/lanczos/lambda_max",
+        *(f"bnp/landscape/{k}" for k in ("loss_range", "grad_change", "beta_smoothness")),
+        *(f"timing/{k}" for k in ("step_ms", "bnp_ms", "bnp_transform_ms", "bnp_statistics_ms", "samples_per_s")),
+        "timing/callbacks/ConditionNumberMonitor_ms",
+        "timing/callbacks/BatchNormPreconditioning_ms",
+    }
+    assert expected <= set(logged), expected - set(logged)
+    assert "bnp/effective_lr/network.4" not in logged and "bnp/weight_kappa/network.4/conditioned" not in logged
+    for tag in expected:
+        assert [step for step, _ in logged[tag]] == [0, 2], tag
+        assert all(math.isfinite(v) for _, v in logged[tag]), tag
+    assert all(v > 0 for tag in ("step_ms", "bnp_ms", "bnp_statistics_ms") for _, v in logged[f"timing/{tag}"])
+    assert all(v >= 1 for _, v in logged["bnp/kappa_D/network.0"])
+
+
+def var_tilde_ref(var: Tensor) -> Tensor:
+    """σ̃² = σ² + ε1·max σ² + ε2 with BNP's defaults."""
+    return var.double() + 1e-2 * var.double().max() + 1e-4
+
+
+def explicit_p(mu: Tensor, var_t: Tensor, kernel_volume: int = 1) -> Tensor:
+    """P = [[1, −μᵀ⊗e], [0, I]]·diag(1, 1/σ̃⊗e) written out (paper 000, eq. 12; §4 for the kernel)."""
+    inv = var_t.double().rsqrt().repeat_interleave(kernel_volume)
+    u = torch.eye(inv.numel() + 1, dtype=torch.float64)
+    u[0, 1:] = -mu.double().repeat_interleave(kernel_volume)
+    return u @ torch.diag(torch.cat([torch.ones(1, dtype=torch.float64), inv]))
+
+
+def kappa(matrix: Tensor) -> float:
+    eig = torch.linalg.eig(matrix).eigenvalues.real.abs()
+    return float(eig.max() / eig[eig > matrix.shape[0] * 2.3e-16 * eig.max()].min())
+
+
+def test_logged_hessian_kappa_equals_proposition_2_on_the_last_layer(tmp_path: Path) -> None:
+    data = make_data()
+    bnp = BatchNormPreconditioning()
+    model = BoringClassifier(tanh_net())
+    monitor = ConditionNumberMonitor(every_n_steps=1, neuron=2)
+    trainer = _fit(tmp_path, model, data, batch_size=16, callbacks=[monitor, bnp], max_steps=1,
+                   logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    # the dense Hessian from Prop. 2 at the parameters after step 0, on step 0's batch
+    net = copy.deepcopy(model.network).double()
+    x = data.tensors[0][:16].double()
+    with torch.no_grad():
+        hidden = net[1](net[0](x))
+        p = net[2](hidden).softmax(-1)[:, 2]
+    h_hat = torch.cat([torch.ones(16, 1, dtype=torch.float64), hidden], 1)
+    hessian = h_hat.T @ torch.diag(p * (1 - p) / 16) @ h_hat
+    running = bnp.preconditioner.layers["network.2"].running  # type: ignore[union-attr]
+    pmat = explicit_p(running.mu, var_tilde_ref(running.var))
+    assert logged["bnp/hessian_kappa/network.2/original"][0][1] == pytest.approx(kappa(hessian), rel=1e-5)
+    expected = kappa(pmat.T @ hessian @ pmat)
+    assert logged["bnp/hessian_kappa/network.2/preconditioned"][0][1] == pytest.approx(expected, rel=1e-5)
+    sigma = var_tilde_ref(running.var).sqrt()
+    assert logged["bnp/kappa_D/network.2"][0][1] == pytest.approx(float(sigma.max() / sigma.min()), rel=1e-5)
+
+
+def test_grouped_conv_neuron_uses_its_group_statistics(tmp_path: Path) -> None:
+    data = make_data(shape=(2, 6, 6))
+    bnp = BatchNormPreconditioning()
+    model = BoringClassifier(make_cnn())
+    monitor = ConditionNumberMonitor(every_n_steps=1, neuron=3, hessian_layers=["network.2"])
+    trainer = _fit(tmp_path, model, data, batch_size=8, callbacks=[bnp, monitor], max_steps=1,
+                   logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    net = copy.deepcopy(model.network).double()
+    x, y = data.tensors[0][:8].double(), data.tensors[1][:8]
+    conv = net[2]
+
+    def loss_of(w_hat: Tensor) -> Tensor:
+        w = torch.cat([conv.weight[:3].detach(), w_hat[1:].view(1, 2, 3, 3)])
+        b = torch.cat([conv.bias[:3].detach(), w_hat[:1]])
+        z = nn.functional.conv2d(net[1](net[0](x)), w, b, stride=2, groups=2)
+        return nn.functional.cross_entropy(net[5](net[4](net[3](z))), y)
+
+    w_hat0 = torch.cat([conv.bias[3:], conv.weight[3].reshape(-1)]).detach()
+    hessian = torch.autograd.functional.hessian(loss_of, w_hat0)
+    running = bnp.preconditioner.layers["network.2"].running  # type: ignore[union-attr]
+    # output channel 3 is in group 1 and sees input channels 2, 3 (σ̃'s floor uses the max over all channels)
+    pmat = explicit_p(running.mu[2:], var_tilde_ref(running.var)[2:], kernel_volume=9)
+    assert logged["bnp/hessian_kappa/network.2/original"][0][1] == pytest.approx(kappa(hessian), rel=1e-5)
+    expected = kappa(pmat.T @ hessian @ pmat)
+    assert logged["bnp/hessian_kappa/network.2/preconditioned"][0][1] == pytest.approx(expected, rel=1e-5)
+
+
+def run(tmp_path: Path, callbacks: list[Any]) -> tuple[Any, BatchNormPreconditioning, Any]:
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    model = LoggingClassifier(bn_net(), momentum=0.9)
+    bnp = BatchNormPreconditioning()
+    trainer = _fit(tmp_path, model, make_data(n=96), batch_size=16, callbacks=[*callbacks, bnp], max_steps=4,
+                   accumulate_grad_batches=2, logger=TensorBoardLogger(tmp_path), log_every_n_steps=1)  # fmt: skip
+    return trainer, bnp, (torch.get_rng_state(), np.random.get_state(), random.getstate())
+
+
+def test_monitors_do_not_change_training(tmp_path: Path) -> None:
+    monitors = [everything_on(every_n_steps=1, hessian_layers=["*"]), TimingMonitor(every_n_steps=1)]
+    plain, bnp_a, rng_a = run(tmp_path / "a", [])
+    watched, bnp_b, rng_b = run(tmp_path / "b", monitors)
+    assert "bnp/lanczos/lambda_max" in scalars(watched)  # the probes did run
+    assert scalars(watched)["train_loss"] == scalars(plain)["train_loss"]  # the probes' `self.log` is silenced
+    assert torch.equal(rng_a[0], rng_b[0])  # torch
+    assert all(np.array_equal(x, y) for x, y in zip(rng_a[1], rng_b[1]))  # NumPy (same draws consumed)
+    assert rng_a[2] == rng_b[2]  # Python `random`
+    a, b = plain.lightning_module, watched.lightning_module
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):  # parameters and BN buffers
+        assert torch.equal(x, y), name
+    for x, y in zip(plain.optimizers[0].state.values(), watched.optimizers[0].state.values()):
+        assert torch.equal(x["momentum_buffer"], y["momentum_buffer"])
+    for name, layer in bnp_a.preconditioner.layers.items():  # type: ignore[union-attr]
+        other = bnp_b.preconditioner.layers[name].running  # type: ignore[union-attr]
+        assert other.steps == layer.running.steps == 4
+        assert torch.equal(other.mean_acc, layer.running.mean_acc) and torch.equal(other.var_acc, layer.running.var_acc)
+    # the timing wrappers and hooks are gone after fit
+    assert "on_before_optimizer_step" not in bnp_b.__dict__
+    assert all(not layer.module._forward_hooks for layer in bnp_b.preconditioner.layers.values())  # type: ignore[union-attr]
+
+
+def test_without_bnp_only_the_original_hessian_is_logged(tmp_path: Path) -> None:
+    monitor = ConditionNumberMonitor(every_n_steps=1, hessian_layers=["*"], hessian_precision="model")
+    trainer = _fit(tmp_path, LoggingClassifier(tanh_net()), make_data(), batch_size=16, callbacks=[monitor],
+                   max_steps=1, logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    assert {"bnp/hessian_kappa/network.0/original", "bnp/hessian_kappa/network.2/original"} <= set(logged)
+    assert not [t for t in logged if "kappa_D" in t or "preconditioned" in t]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every_n_steps": 0}, "`every_n_steps` must be an integer >= 1, got 0"),
+        ({"neuron": -1}, "`neuron` must be an integer >= 0, got -1"),
+        ({"max_hessian_size": 0}, "`max_hessian_size` must be an integer >= 1"),
+        ({"lanczos_iters": 0}, "`lanczos_iters` must be an integer >= 1"),
+        ({"layers": []}, "`layers` must be None or a non-empty list"),
+        ({"hessian_layers": []}, "`hessian_layers` must be None or a non-empty list"),
+        ({"hessian_precision": "half"}, "`hessian_precision` must be 'float64' or 'model', got 'half'"),
+        ({"hessian_rtol": 1.0}, r"`hessian_rtol` must be None or in \(0, 1\), got 1.0"),
+        ({"landscape_steps": [1.0, -2.0]}, "`landscape_steps` must be a non-empty list of finite numbers > 0"),
+        ({"landscape_direction": "up"}, "`landscape_direction` must be 'gradient' or 'preconditioned', got 'up'"),
+        (
+            dict(kappa_d=False, hessian_block=False, weight_kappa=False, effective_lr=False),
+            "every metric is switched off",
+        ),
+    ],
+)
+def test_condition_monitor_validation(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ConditionNumberMonitor(**kwargs)
+
+
+def test_patterns_must_match_a_layer(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"`hessian_layers` pattern 'decoder\.\*' matches no Linear/ConvNd layer"):
+        _fit(tmp_path, BoringClassifier(tanh_net()), make_data(), batch_size=16, max_steps=1,
+             callbacks=[ConditionNumberMonitor(hessian_layers=["decoder.*"])])  # fmt: skip
+
+
+def test_timing_monitor_validation() -> None:
+    with pytest.raises(ValueError, match="`every_n_steps` must be an integer >= 1, got 0"):
+        TimingMonitor(every_n_steps=0)
+
+
+def test_logging_happens_on_rank_zero_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    logger = mock.Mock()
+    trainer = SimpleNamespace(loggers=[logger])
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    log_metrics(trainer, {"bnp/x": 1.0}, 0)  # type: ignore[arg-type]
+    logger.log_metrics.assert_not_called()
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    log_metrics(trainer, {"bnp/x": 1.0}, 0)  # type: ignore[arg-type]
+    logger.log_metrics.assert_called_once_with({"bnp/x": 1.0}, step=0)
+
+
+def test_callbacks_are_read_from_yaml_like_lightning_cli() -> None:
+    import lightning.pytorch as pl
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--callbacks", type=list[pl.Callback])
+    config = parser.parse_string(
+        """
+        callbacks:
+          - class_path: lightning_bnp.callbacks.condition_monitor.ConditionNumberMonitor
+            init_args: {every_n_steps: 20, hessian_layers: ["network.*"], landscape: true, landscape_steps: [1, 2]}
+          - class_path: lightning_bnp.callbacks.timing_monitor.TimingMonitor
+            init_args: {every_n_steps: 10}
+        """
+    )
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
+    monitor, timing = instantiate(config).callbacks
+    assert isinstance(monitor, ConditionNumberMonitor) and monitor.landscape_steps == [1.0, 2.0]
+    assert monitor.hessian_layers == ["network.*"] and isinstance(timing, TimingMonitor) and timing.every_n_steps == 10
+
+
+def test_tensorboard_custom_scalars_layout_groups_by_kind_and_layer(tmp_path: Path) -> None:
+    callbacks = [ConditionNumberMonitor(every_n_steps=2, hessian_layers=["*"]), BatchNormPreconditioning(),
+                 TimingMonitor(every_n_steps=2)]  # fmt: skip
+    trainer = _fit(tmp_path, BoringClassifier(bn_net()), make_data(), batch_size=16, callbacks=callbacks,
+                   max_steps=3, logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    acc = EventAccumulator(trainer.logger.log_dir)  # type: ignore[union-attr]
+    acc.Reload()
+    (event,) = acc.Tensors("custom_scalars__config__")  # written once, with both monitors' charts
+    layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+    charts = {c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart} for c in layout.category}
+    assert set(charts["bnp/hessian_kappa"]) == {"network.0", "network.4"}  # one chart per layer ...
+    assert set(charts["bnp/weight_kappa"]) == {"network.0", "network.4"}
+    assert {"bnp/kappa_D", "bnp/effective_lr", "timing", "timing/callbacks"} <= set(charts)
+    tags = set(scalars(trainer))  # ... overlaying original and preconditioned
+    (regex,) = charts["bnp/hessian_kappa"]["network.4"]
+    assert {t for t in tags if re.match(regex, t)} == {f"bnp/hessian_kappa/network.4/{v}" for v in
+                                                      ("original", "preconditioned")}  # fmt: skip
+    every = [r for c in charts.values() for ch in c.values() for r in ch]
+    assert all(any(re.match(r, t) for r in every) for t in tags if t.startswith(("bnp/", "timing/"))), tags
+
+
+def test_works_with_csv_logger(tmp_path: Path) -> None:
+    callbacks = [ConditionNumberMonitor(every_n_steps=2, landscape=True), BatchNormPreconditioning(),
+                 TimingMonitor(every_n_steps=2)]  # fmt: skip
+    trainer = _fit(tmp_path, BoringClassifier(bn_net()), make_data(), batch_size=16, callbacks=callbacks,
+                   max_steps=4, logger=CSVLogger(tmp_path))  # fmt: skip
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:  # type: ignore[union-attr]
+        rows = list(csv.DictReader(f))
+    for tag in ("bnp/kappa_D/network.0", "bnp/hessian_kappa/network.4/preconditioned", "bnp/effective_lr/network.0",
+                "bnp/landscape/beta_smoothness", "timing/step_ms", "timing/samples_per_s"):  # fmt: skip
+        values = [(int(r["step"]), float(r[tag])) for r in rows if r.get(tag)]
+        assert [step for step, _ in values] == [0, 2], tag
+        assert all(math.isfinite(v) for _, v in values), tag
+
+
+def test_effective_lr_is_for_sgd_only() -> None:
+    w = nn.Parameter(torch.ones(2, 2))
+    trainer = SimpleNamespace(optimizers=[torch.optim.Adam([w], lr=0.1)])
+    assert probes.learning_rates(trainer, sgd_only=True) == {}  # type: ignore[arg-type]
+    assert probes.learning_rates(trainer) == {id(w): 0.1}  # type: ignore[arg-type]
+
+
+def test_transposed_convolutions_are_not_neuron_layers() -> None:
+    assert probes.is_neuron_layer(nn.Conv1d(2, 3, 1)) and probes.is_neuron_layer(nn.Linear(2, 3))
+    assert not probes.is_neuron_layer(nn.ConvTranspose2d(2, 3, 1))  # weight[i] is an input channel's
+
+
+class _FakeEvent:
+    """Stands in for ``torch.cuda.Event``: a 'GPU' timestamp taken at ``record``."""
+
+    recorded: ClassVar[list[_FakeEvent]] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.t: float | None = None
+        self.synced = False
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+        _FakeEvent.recorded.append(self)
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert end.synced and self.t is not None and end.t is not None, "read before synchronize"
+        return (end.t - self.t) * 1e3  # ms, as CUDA reports
+
+
+def test_cuda_clock_uses_events_and_synchronizes_only_when_collecting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timing_monitor.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(timing_monitor.time, "perf_counter", mock.Mock(side_effect=time.perf_counter))
+    clock = timing_monitor._Clock(torch.device("cuda", 0))
+    token = clock.start()
+    clock.stop(token, "step", "other")
+    assert len(_FakeEvent.recorded) == 2 and not any(e.synced for e in _FakeEvent.recorded)  # no sync per step
+    assert timing_monitor.time.perf_counter.call_count == 2  # type: ignore[attr-defined]  # only the fake events'
+    totals = clock.collect()
+    assert set(totals) == {"step", "other"} and totals["step"] == totals["other"] >= 0.0
+    assert clock.collect() == {} and not clock.pending
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_timing_monitor_on_cuda(tmp_path: Path) -> None:
+    trainer = _fit(tmp_path, BoringClassifier(bn_net()), make_data(), batch_size=16, max_steps=3, accelerator="cuda",
+                   callbacks=[BatchNormPreconditioning(), TimingMonitor(every_n_steps=2),
+                              ConditionNumberMonitor(every_n_steps=2)],
+                   logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    for tag in ("timing/step_ms", "timing/bnp_ms", "timing/samples_per_s", "bnp/hessian_kappa/network.4/original"):
+        assert [s for s, _ in logged[tag]] == [0, 2] and all(math.isfinite(v) and v > 0 for _, v in logged[tag]), tag
+
+
+def test_bias_free_layer_uses_p_equal_to_diag_inverse_sigma(tmp_path: Path) -> None:
+    """No bias: P = diag(1/σ̃) with σ̃² from the uncentred second moment (the transform's P for such a layer)."""
+    torch.manual_seed(0)
+    network = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3, bias=False))
+    data, bnp = make_data(), BatchNormPreconditioning()
+    model = BoringClassifier(network)
+    trainer = _fit(tmp_path, model, data, batch_size=16, callbacks=[bnp, ConditionNumberMonitor(every_n_steps=1)],
+                   max_steps=1, logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    net = copy.deepcopy(model.network).double()
+    x, y = data.tensors[0][:16].double(), data.tensors[1][:16]
+    hidden = net[1](net[0](x)).detach()
+
+    def loss_of(w_i: Tensor) -> Tensor:
+        w = torch.cat([w_i.view(1, 8), net[2].weight[1:].detach()])
+        return nn.functional.cross_entropy(hidden @ w.T, y)
+
+    hessian = torch.autograd.functional.hessian(loss_of, net[2].weight[0].detach().clone())
+    running = bnp.preconditioner.layers["network.2"].running  # type: ignore[union-attr]
+    torch.testing.assert_close(running.mu, torch.zeros(8))  # uncentred statistics
+    pmat = torch.diag(var_tilde_ref(running.var).rsqrt())
+    assert logged["bnp/hessian_kappa/network.2/original"][0][1] == pytest.approx(kappa(hessian), rel=1e-5)
+    expected = kappa(pmat.T @ hessian @ pmat)
+    assert logged["bnp/hessian_kappa/network.2/preconditioned"][0][1] == pytest.approx(expected, rel=1e-5)
+
+
+def test_weight_conditioning_layers_log_the_conditioned_kappa(tmp_path: Path) -> None:
+    """With the real WeightConditioning callback: raw = the free parameter, conditioned = E·W (paper 004)."""
+    from lightning_bnp import WeightConditioning
+
+    model = BoringClassifier(tanh_net())
+    callbacks = [ConditionNumberMonitor(every_n_steps=1), WeightConditioning(mode="row"), BatchNormPreconditioning(),
+                 TimingMonitor(every_n_steps=1)]  # fmt: skip
+    trainer = _fit(tmp_path, model, make_data(), batch_size=16, callbacks=callbacks, max_steps=1,
+                   logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    for name, layer in (("network.0", model.network[0]), ("network.2", model.network[2])):
+        raw = layer.parametrizations.weight.original.detach().double()
+        s_raw, s_cond = torch.linalg.svdvals(raw), torch.linalg.svdvals(layer.weight.detach().double())
+        assert logged[f"bnp/weight_kappa/{name}/raw"][0][1] == pytest.approx(float(s_raw[0] / s_raw[-1]), rel=1e-5)
+        assert logged[f"bnp/weight_kappa/{name}/conditioned"][0][1] == pytest.approx(
+            float(s_cond[0] / s_cond[-1]), rel=1e-5
+        )
+    assert math.isfinite(logged["bnp/hessian_kappa/network.2/preconditioned"][0][1])  # ŵ = the free parameter's row
+    assert logged["timing/weight_conditioning_ms"][0][1] > 0  # E·W's forward, this package's transform

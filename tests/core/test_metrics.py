@@ -1,0 +1,213 @@
+"""Metrics of the monitors against independent dense references (paper 000 Prop. 2 / Theorem 3, paper 003, 002)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from lightning_bnp.core import metrics as M
+from lightning_bnp.core.transform import precondition_
+
+
+def dense_kappa(matrix: Tensor, rtol: float) -> float:
+    """κ over the nonzero |λ| from a general (non-symmetric) dense eigen-decomposition."""
+    eig = torch.linalg.eig(matrix.double()).eigenvalues.real.abs()
+    scale = eig.max()
+    return float(scale / eig[eig > rtol * scale].min())
+
+
+def explicit_p(mu: Tensor | None, var_t: Tensor, kernel_volume: int = 1) -> Tensor:
+    """P = U·D written out as two matrices (paper 000, eq. 12)."""
+    inv = var_t.double().repeat_interleave(kernel_volume).rsqrt()
+    if mu is None:
+        return torch.diag(inv)
+    n = inv.numel() + 1
+    u = torch.eye(n, dtype=torch.float64)
+    u[0, 1:] = -mu.double().repeat_interleave(kernel_volume)
+    d = torch.diag(torch.cat([torch.ones(1, dtype=torch.float64), inv]))
+    return u @ d
+
+
+def test_spectrum_counts_only_nonzero_eigenvalues_and_keeps_the_sign() -> None:
+    q, _ = torch.linalg.qr(torch.randn(5, 5, dtype=torch.float64))
+    a = q @ torch.diag(torch.tensor([-2.0, 0.0, 1e-20, 0.5, 8.0], dtype=torch.float64)) @ q.T
+    s = M.spectrum(a)
+    assert s.rank == 3
+    assert s.kappa == pytest.approx(8.0 / 0.5)
+    assert s.lambda_min == pytest.approx(-2.0) and s.lambda_max == pytest.approx(8.0)
+    assert math.isinf(M.spectrum(torch.zeros(3, 3)).kappa)
+
+
+def test_matrix_and_d_kappa() -> None:
+    w = torch.randn(4, 3, 2, 2)
+    s = torch.linalg.svdvals(w.reshape(4, 12).double())
+    assert M.matrix_kappa(w) == pytest.approx(float(s[0] / s[-1]))
+    assert M.kappa_d(torch.tensor([4.0, 1.0, 0.25])) == pytest.approx(4.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.booleans())
+def test_neuron_p_reproduces_the_bnp_transform(cin: int, kv: int, bias: bool) -> None:
+    """(1/q²)·P·Pᵀ·g with the metric's P equals the gradient transform (so κ(PᵀHP) is BNP's)."""
+    mu, var_t, q2 = torch.randn(cin).double(), torch.rand(cin).double() + 0.1, 1.7
+    gw, gb = torch.randn(1, cin, kv).double(), torch.randn(1).double()
+    p = M.neuron_preconditioner(mu if bias else None, var_t, kv)
+    vec = torch.cat([gb, gw.reshape(-1)]) if bias else gw.reshape(-1)
+    expected = p @ p.T @ vec / q2
+    precondition_(gw, gb if bias else None, mu if bias else None, var_t, q2)
+    got = torch.cat([gb, gw.reshape(-1)]) if bias else gw.reshape(-1)
+    torch.testing.assert_close(got, expected)
+
+
+def _mlp_loss(net: nn.Sequential, x: Tensor, y: Tensor) -> Callable[[dict[str, Tensor]], Tensor]:
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    return lambda replaced: nn.functional.cross_entropy(torch.func.functional_call(net, {**params, **replaced}, x), y)
+
+
+@pytest.mark.parametrize("batch", [40, 5])  # full rank, and N < n_in + 1 (rank N, as the paper's N=60 < 101)
+def test_last_layer_hessian_equals_proposition_2(batch: int) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 9), nn.Tanh(), nn.Linear(9, 3)).double()
+    x = torch.randn(batch, 4, dtype=torch.float64) * torch.tensor([0.1, 1.0, 3.0, 10.0]) + 2.0
+    y = torch.randint(0, 3, (batch,))
+    i = 1
+    block = M.NeuronBlock("2.weight", net[2].weight, "2.bias", net[2].bias, i)
+    (h,) = M.neuron_hessians(_mlp_loss(net, x, y), [block])
+    # Prop. 2: ∇²_ŵ L = Ĥᵀ S Ĥ, Ĥ = [e, H], S = diag(L''(a_j))/N with L'' = p_i(1 − p_i) for cross-entropy
+    with torch.no_grad():
+        hidden = net[1](net[0](x))
+        p = net[2](hidden).softmax(-1)[:, i]
+    h_hat = torch.cat([torch.ones(batch, 1, dtype=torch.float64), hidden], 1)
+    closed = h_hat.T @ torch.diag(p * (1 - p) / batch) @ h_hat
+    torch.testing.assert_close(h, closed, rtol=1e-9, atol=1e-12)
+    rtol = 10 * torch.finfo(torch.float64).eps
+    assert M.spectrum(h).kappa == pytest.approx(dense_kappa(closed, rtol), rel=1e-6)
+    assert M.spectrum(h).rank == min(batch, 10)
+    # Theorem 3: the preconditioned Hessian is Pᵀ (ĤᵀSĤ) P = ĜᵀSĜ with Ĝ = ĤP
+    mu, var_t = hidden.mean(0), hidden.var(0, unbiased=False) + 1e-3
+    pmat = explicit_p(mu, var_t)
+    pre = pmat.T @ closed @ pmat
+    ours = M.neuron_preconditioner(mu, var_t)
+    torch.testing.assert_close(ours, pmat)
+    assert M.spectrum(ours.T @ h @ ours).kappa == pytest.approx(dense_kappa(pre, rtol), rel=1e-6)
+    if batch > 10:  # BNP's claim (Theorem 4): preconditioning reduces κ on these badly scaled inputs
+        assert M.spectrum(pre).kappa < M.spectrum(closed).kappa
+
+
+def test_grouped_conv_neuron_hessian_equals_autograd_functional_hessian() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 4, 3, groups=2, bias=True).double()
+    head = nn.Linear(4 * 2 * 2, 2).double()
+    x, y = torch.randn(3, 4, 4, 4, dtype=torch.float64), torch.randint(0, 2, (3,))
+    i = 3  # group 1
+
+    def loss_fn(w: Tensor, b: Tensor) -> Tensor:
+        z = torch.tanh(nn.functional.conv2d(x, w, b, groups=2)).flatten(1)
+        return nn.functional.cross_entropy(head(z), y)
+
+    def of_w_hat(w_hat: Tensor) -> Tensor:
+        w, b = conv.weight.detach().clone(), conv.bias.detach().clone()
+        w = torch.cat([w[:i], w_hat[1:].view(1, 2, 3, 3), w[i + 1 :]])
+        return loss_fn(w, torch.cat([b[:i], w_hat[:1], b[i + 1 :]]))
+
+    w_hat0 = torch.cat([conv.bias[i : i + 1], conv.weight[i].reshape(-1)]).detach()
+    dense = torch.autograd.functional.hessian(of_w_hat, w_hat0)
+    block = M.NeuronBlock("w", conv.weight, "b", conv.bias, i)
+    (h,) = M.neuron_hessians(lambda r: loss_fn(r["w"], r["b"]), [block])
+    torch.testing.assert_close(h, dense, rtol=1e-9, atol=1e-12)
+    rtol = 19 * torch.finfo(torch.float64).eps
+    assert M.spectrum(h).kappa == pytest.approx(dense_kappa(dense, rtol), rel=1e-6)
+
+
+def test_no_bias_and_unused_neuron() -> None:
+    net = nn.Sequential(nn.Linear(3, 2, bias=False)).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+    (h,) = M.neuron_hessians(_mlp_loss(net, x, y), [M.NeuronBlock("0.weight", net[0].weight, None, None, 0)])
+    assert h.shape == (3, 3)
+    (z,) = M.neuron_hessians(lambda r: r["w"].sum(), [M.NeuronBlock("w", torch.ones(2, 3), None, None, 0)])
+    assert torch.equal(z, torch.zeros(3, 3))
+
+
+def test_lanczos_matches_dense_extremes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(40, 40, generator=gen, dtype=torch.float64)
+    a = a + a.T
+    eig = torch.linalg.eigvalsh(a)
+    state = torch.get_rng_state()
+    lo, hi = M.lanczos_extremes(lambda v: a @ v, 40, 40, device=torch.device("cpu"))
+    assert torch.equal(state, torch.get_rng_state())  # private generator
+    assert lo == pytest.approx(float(eig[0]), rel=1e-8) and hi == pytest.approx(float(eig[-1]), rel=1e-8)
+    lo, hi = M.lanczos_extremes(lambda v: a @ v, 40, 25, device=torch.device("cpu"))
+    assert eig[0] <= lo < 0.9 * eig[0] and 0.9 * eig[-1] < hi <= eig[-1] + 1e-9
+
+
+def test_landscape_on_a_quadratic() -> None:
+    """L = ½θᵀAθ: ‖∇L(θ − kd) − ∇L(θ)‖ = k‖Ad‖, so β = ‖Ad‖/‖d‖ exactly; d = η·∇L."""
+    a = torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64))
+    theta = torch.tensor([1.0, 1.0], dtype=torch.float64)
+
+    def loss_of(p: dict[str, Tensor]) -> Tensor:
+        return 0.5 * p["t"] @ a @ p["t"]
+
+    r = M.landscape_probe(loss_of, {"t": theta}, lambda g: {"t": 0.1 * g["t"]}, [0.5, 1.0, 2.0])
+    d = 0.1 * a @ theta
+    ad = float((a @ d).norm())
+    assert r.grad_change == pytest.approx(2.0 * ad)
+    assert r.beta_smoothness == pytest.approx(ad / float(d.norm()))
+    losses = [float(loss_of({"t": theta - k * d})) for k in (0.5, 1.0, 2.0)]
+    assert r.loss_range == pytest.approx(max(losses) - min(losses))
+
+
+def test_hessian_extremes_of_a_small_network() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(10, 3, dtype=torch.float64), torch.randint(0, 2, (10,))
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def flat_loss(flat: Tensor) -> Tensor:
+        chunks = dict(zip(params, flat.split([p.numel() for p in params.values()])))
+        shaped = {k: chunks[k].view_as(p) for k, p in params.items()}
+        return nn.functional.cross_entropy(torch.func.functional_call(net, shaped, (x,)), y)
+
+    dense = torch.autograd.functional.hessian(flat_loss, torch.cat([p.reshape(-1) for p in params.values()]))
+    eig = torch.linalg.eigvalsh(dense)
+    lo, hi = M.hessian_extremes(lambda p: flat_loss(torch.cat([v.reshape(-1) for v in p.values()])), params, 26)
+    assert lo == pytest.approx(float(eig[0]), abs=1e-9) and hi == pytest.approx(float(eig[-1]), rel=1e-9)
+
+
+def test_scale_invariant_layers_rule() -> None:
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)),  # per unit
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Dropout(0.1), nn.LayerNorm(4)),  # whole layer
+        nn.Sequential(nn.Linear(4, 4), nn.ELU(), nn.BatchNorm1d(4)),  # ELU is not homogeneous
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)),  # no normalization
+    )
+    cnn = nn.Sequential(nn.Conv2d(2, 6, 3), nn.ReLU(), nn.MaxPool2d(2), nn.GroupNorm(3, 6), nn.Conv2d(6, 2, 1))
+    assert M.scale_invariant_layers(model) == {"0.0": 4, "1.0": 1}
+    assert M.scale_invariant_layers(cnn) == {"0": 3}
+
+
+@pytest.mark.parametrize("units", [4, 2, 1])
+def test_scale_invariant_units_leave_the_training_loss_unchanged(units: int) -> None:
+    norm = {4: nn.BatchNorm1d(4, eps=1e-12), 2: nn.GroupNorm(2, 4, eps=1e-12), 1: nn.LayerNorm(4, eps=1e-12)}[units]
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), norm, nn.Linear(4, 2)).double().train()
+    assert M.scale_invariant_layers(net) == {"0": units}
+    x = torch.randn(16, 3, dtype=torch.float64)
+    before = net(x)
+    scale = torch.rand(units, dtype=torch.float64).repeat_interleave(4 // units) * 5 + 0.1  # c_u > 0 per unit
+    with torch.no_grad():
+        net[0].weight.mul_(scale[:, None])
+        net[0].bias.mul_(scale)
+    torch.testing.assert_close(net(x), before, rtol=1e-5, atol=1e-5)
+
+
+def test_effective_learning_rate() -> None:
+    w, b = torch.tensor([[3.0, 0.0], [0.0, 1.0]]), torch.tensor([4.0, 0.0])
+    assert M.effective_learning_rate(w, b, 0.1, 2) == pytest.approx(0.1 / ((25.0 + 1.0) / 2))
+    assert M.effective_learning_rate(w, None, 0.1, 1) == pytest.approx(0.1 / 10.0)
