@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test reproduce bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -p no:cacheprovider
 
-bench: $(STAMP)
+# `make reproduce` regenerates benchmarks/RESULTS.md and benchmarks/results/*.png (about 30 min on
+# 2 CPU cores); `make bench` runs it and then the other benchmarks, which write into benchmarks/out/.
+reproduce: $(STAMP)
+	$(BIN)/python -m benchmarks.reproduce
+
+bench: reproduce
 	$(BIN)/python -m benchmarks.overhead
 	$(BIN)/python -m benchmarks.warm_start
 	$(BIN)/python -m benchmarks.warm_start --pixel-scale 16

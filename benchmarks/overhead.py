@@ -87,12 +87,13 @@ def make_batches(
 
 
 def build(
-    kind: str, batch: int, variant: str, args: argparse.Namespace, device: torch.device
+    kind: str, batch: int, variant: str, args: argparse.Namespace, device: torch.device, hidden: int = 100
 ) -> tuple[Step, Step, BNPPreconditioner | None]:
-    """The training step, its forward + backward part, and the preconditioner (BNP only)."""
+    """The training step, its forward + backward part, and the preconditioner (BNP only); ``hidden``:
+    width of the FC network's hidden layers."""
     torch.manual_seed(0)  # vanilla and BNP start from the same weights
     norm: Norm = "bn" if variant == "BN" else "none"
-    model = fc_network(norm=norm) if kind == "FC" else cnn5(args.channels, args.image_size, norm=norm)
+    model = fc_network(hidden=hidden, norm=norm) if kind == "FC" else cnn5(args.channels, args.image_size, norm=norm)
     model = model.to(device).train()
     pre = BNPPreconditioner(model) if variant == "BNP" else None
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

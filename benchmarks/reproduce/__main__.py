@@ -1,0 +1,3 @@
+from benchmarks.reproduce.main import main
+
+main()
