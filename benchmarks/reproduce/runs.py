@@ -128,8 +128,9 @@ def train(job: Job) -> Run:
                         for key, value in hessian_kappa(net, pre, loss_fn, x[idx], y[idx]).items():
                             run.kappa.setdefault(key, []).append(value)
                 opt.step()
-                run.diverged = not math.isfinite(loss.item()) or loss.item() > 1e3
-                pending.append(loss.item())
+                value = loss.item()
+                run.diverged = not math.isfinite(value) or value > 1e3
+                pending.append(value)
             step += 1
             if step % every == 0 or step == job.steps:
                 record()
