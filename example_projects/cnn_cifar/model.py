@@ -17,6 +17,8 @@ class CNNClassifier(Classifier):
     Args:
         norm: ``"none"`` (vanilla, or BNP with the callback), ``"bn"`` or ``"gn"`` after each
             convolution's ReLU.
+        padding: the CNN's convolutions: ``"valid"`` (the paper's network, TensorFlow's default; images of
+            at least 18×18) or ``"same"`` (any image of at least 4×4, e.g. the 8×8 digits).
         gn_groups: GroupNorm's number of groups (must divide 32 and 64).
         lr: learning rate (paper's Table 3, CIFAR-10: batch 128 → 0.1 for vanilla, BN and BNP;
             batch 2 → vanilla 1e-3, BN 1e-3, BNP 1e-2).
@@ -31,6 +33,7 @@ class CNNClassifier(Classifier):
         self,
         *,
         norm: Literal["none", "bn", "gn"] = "none",
+        padding: Literal["valid", "same"] = "valid",
         gn_groups: int = 4,
         lr: float = 0.1,
         momentum: float = 0.0,
@@ -40,7 +43,7 @@ class CNNClassifier(Classifier):
         num_classes: int = 10,
     ) -> None:
         c, h, _ = input_shape
-        network = cnn5(c, h, num_classes, norm=norm, groups=gn_groups)
+        network = cnn5(c, h, num_classes, norm=norm, groups=gn_groups, padding=padding)
         super().__init__(
             network, lr=lr, momentum=momentum, num_classes=num_classes, weight_decay=weight_decay, optimizer=optimizer
         )

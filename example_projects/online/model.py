@@ -22,6 +22,8 @@ class OnlineClassifier(Classifier):
     Args:
         network: ``"fc"`` (3 hidden layers of 100) or ``"cnn5"`` (3 conv 32-64-32 + 2 dense).
         norm: ``"none"`` (vanilla, or BNP with the callback), ``"ln"`` (FC only) or ``"gn"`` (CNN only).
+        padding: the CNN's convolutions: ``"valid"`` (the paper's network, TensorFlow's default; images of
+            at least 18×18) or ``"same"`` (any image of at least 4×4, e.g. the 8×8 digits).
         lr: learning rate (paper's Tables 2 and 3 at batch 1: FC vanilla 5e-4, LN 1e-2, BNP 0.1;
             CNN vanilla 1e-3, BNP 0.1).
         momentum: SGD momentum (paper: plain SGD).
@@ -37,6 +39,7 @@ class OnlineClassifier(Classifier):
         *,
         network: Literal["fc", "cnn5"] = "fc",
         norm: Literal["none", "ln", "gn"] = "none",
+        padding: Literal["valid", "same"] = "valid",
         lr: float = 0.1,
         momentum: float = 0.0,
         input_shape: tuple[int, int, int] = (1, 28, 28),
@@ -51,7 +54,7 @@ class OnlineClassifier(Classifier):
         elif network == "cnn5":
             if norm == "ln":
                 raise ValueError("`norm` 'ln' needs `network` 'fc'; the CNN takes 'none' or 'gn'")
-            net = cnn5(c, h, num_classes, norm=norm)
+            net = cnn5(c, h, num_classes, norm=norm, padding=padding)
         else:
             raise ValueError(f"`network` must be 'fc' or 'cnn5', got {network!r}")
         super().__init__(net, lr=lr, momentum=momentum, num_classes=num_classes)

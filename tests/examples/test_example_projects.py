@@ -1,8 +1,9 @@
 """The example projects under LightningCLI: every YAML config parses, round-trips through ``--print_config`` and
 runs ``fast_dev_run``; callbacks can be appended on the command line.
 
-The CLIs run in-process (``cli_main([...])``) from inside ``tmp_path``, on the offline digits (the configs' ``auto``
-falls back to them there; the tests also force ``--data.dataset=digits``). New configs are picked up by the glob.
+The CLIs run in-process (``cli_main([...])``) from inside ``tmp_path``, on the offline 28×28 MNIST digits (the
+configs' ``auto`` falls back to them there; the tests also force ``--data.dataset=mnist5k``). New configs are picked
+up by the glob.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _fast_dev_run(project: str, tmp_path: Path, *args: str) -> ProjectCLI:
             "--trainer.fast_dev_run=true",
             "--trainer.accelerator=cpu",
             f"--trainer.default_root_dir={tmp_path}",
-            "--data.dataset=digits",
+            "--data.dataset=mnist5k",
             *QUIET,
         ]
     )
@@ -168,13 +169,13 @@ def test_weight_conditioning_appended_on_command_line(tmp_path: Path) -> None:
 
 
 def test_default_logger_is_tensorboard_under_runs(tmp_path: Path) -> None:
-    cli = _cli_main("fc_mnist")(["--data.dataset=digits"], run=False)
+    cli = _cli_main("fc_mnist")(["--data.dataset=mnist5k"], run=False)
     logger = cli.trainer.logger
     assert type(logger).__name__ == "TensorBoardLogger"
     assert Path(logger.save_dir) == Path("runs") and logger.name == "fc_mnist"
 
 
 def test_data_shape_is_linked_into_the_model(tmp_path: Path) -> None:
-    cli = _cli_main("cnn_cifar")(["--data.dataset=digits"], run=False)
-    assert cli.model.hparams["input_shape"] == (1, 8, 8)
+    cli = _cli_main("cnn_cifar")(["--data.dataset=mnist5k"], run=False)
+    assert cli.model.hparams["input_shape"] == (1, 28, 28)
     assert cli.model.hparams["num_classes"] == 10

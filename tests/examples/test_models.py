@@ -16,7 +16,7 @@ from typing_extensions import override
 from example_projects import fc_digits
 from example_projects.classifier import Classifier
 from example_projects.data import ImageDataModule
-from example_projects.models import BasicBlock, cifar_resnet
+from example_projects.models import BasicBlock, cifar_resnet, cnn5
 from example_projects.online import OnlineClassifier
 from example_projects.resnet_gn import ResNetClassifier
 from example_projects.weight_conditioning import WCClassifier
@@ -28,6 +28,31 @@ def test_resnet_depth_counts_weight_layers(depth: int, blocks: int) -> None:
     assert sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in net.modules()) == depth
     assert sum(isinstance(m, BasicBlock) for m in net.modules()) == blocks
     assert net(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+
+
+@pytest.mark.parametrize(("side", "channels", "fan_in"), [(32, 3, 512), (28, 1, 288), (18, 1, 32)])
+def test_cnn5_is_the_papers_valid_padding_network(side: int, channels: int, fan_in: int) -> None:
+    """TensorFlow's CNN tutorial (paper §5): 'valid' 3×3 convolutions, pooling after the first two; on CIFAR-10
+    the maps are 30 → 15 → 13 → 6 → 4, so the first dense layer sees 4·4·32 = 512 inputs."""
+    net = cnn5(channels, side)
+    convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]
+    assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [
+        (channels, 32, (3, 3), (0, 0)),
+        (32, 64, (3, 3), (0, 0)),
+        (64, 32, (3, 3), (0, 0)),
+    ]
+    dense = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    assert [(d.in_features, d.out_features) for d in dense] == [(fan_in, 64), (64, 10)]
+    assert net(torch.randn(2, channels, side, side)).shape == (2, 10)
+
+
+def test_cnn5_same_padding_option_and_size_check() -> None:
+    assert cnn5(3, 32, padding="same")[-3].in_features == 2048  # 32 → 16 → 8: 8·8·32
+    assert cnn5(1, 8, padding="same")(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+    with pytest.raises(ValueError, match="`image_size` 8 is too small for the 'valid'-padding CNN"):
+        cnn5(1, 8)
+    with pytest.raises(ValueError, match="`padding` must be 'valid' or 'same', got 'full'"):
+        cnn5(padding="full")  # type: ignore[arg-type]
 
 
 def test_resnet_norms_and_biases() -> None:
