@@ -31,8 +31,7 @@ reproduce: $(STAMP)
 
 bench: reproduce
 	$(BIN)/python -m benchmarks.overhead
-	$(BIN)/python -m benchmarks.warm_start
-	$(BIN)/python -m benchmarks.warm_start --pixel-scale 16
+	$(BIN)/python -m benchmarks.shipped_configs --max-epochs 20
 	$(BIN)/python -m benchmarks.ddp_sync
 	$(BIN)/python -m benchmarks.regularization
 	$(BIN)/python -m benchmarks.weight_conditioning

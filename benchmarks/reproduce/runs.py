@@ -1,4 +1,4 @@
-"""Training runs: the networks, one SGD run on the digits, and the jobs the worker processes take."""
+"""Training runs: the networks, one SGD run on the 28×28 MNIST digits, and the jobs the worker processes take."""
 
 from __future__ import annotations
 
@@ -12,33 +12,38 @@ from torch import Tensor, nn
 
 from benchmarks.reproduce.hessian import hessian_kappa
 from benchmarks.reproduce.settings import Setting
-from example_projects.digits import load_digits_splits
-from example_projects.models import Norm, cnn5, fc_network
+from example_projects.mnist5k import load_mnist5k_splits
+from example_projects.models import Norm, cifar_resnet, cnn5, fc_network
 from lightning_bnp.core import BNPPreconditioner
 from lightning_bnp.core.conditioning import apply_weight_conditioning
 
 CHANCE = 0.1
-NORMS: dict[str, Norm] = {"BN": "bn", "BN+WC": "bn", "LN": "ln", "GN": "gn", "BNP+GN": "gn"}
+NORMS: dict[str, Norm] = {"BN": "bn", "BN+WC": "bn", "LN": "ln", "GN": "gn", "BNP+GN": "gn", "BNP+GN-bc": "gn"}
+IN_FEATURES = 28 * 28
 
 
 @functools.cache
-def digits() -> dict[str, tuple[Tensor, Tensor]]:
-    return load_digits_splits()
+def data() -> dict[str, tuple[Tensor, Tensor]]:
+    return load_mnist5k_splits()
 
 
-def build(model: str, method: str) -> tuple[nn.Module, bool]:
-    """The network for ``method`` (``vanilla``, ``BN``, ``LN``, ``GN``, ``BNP``, ``BNP+GN``, ``BN+WC``) and
-    whether BNP preconditions it."""
+def build(model: str, method: str) -> tuple[nn.Module, BNPPreconditioner | None]:
+    """The network for ``method`` (module docstring of ``settings``) and BNP's preconditioner for it, if any:
+    ``BNP``/``BNP+GN`` start from the paper's μ = 0, σ² = 1, ``-bc`` variants are bias-corrected."""
     norm = NORMS.get(method, "none")
     if model == "FC":
-        net: nn.Module = fc_network(norm=norm)
+        net: nn.Module = fc_network(IN_FEATURES, norm=norm)
     elif model == "FC2":
-        net = fc_network(depth=2, norm=norm)
+        net = fc_network(IN_FEATURES, depth=2, norm=norm)
+    elif model == "R20":  # Appendix B's BNP+GN: GN with 4 groups, He-normal weights ×0.1
+        net = cifar_resnet(20, in_channels=1, norm=norm, groups=4, init_scale=0.1)
     else:
-        net = cnn5(norm=norm)
+        net = cnn5(1, 28, norm=norm)
     if method == "BN+WC":
         apply_weight_conditioning(net, layers="first_and_last")
-    return net, method.startswith("BNP")
+    if not method.startswith("BNP"):
+        return net, None
+    return net, BNPPreconditioner(net, bias_correction=method.endswith("-bc"))
 
 
 @dataclass(frozen=True)
@@ -53,15 +58,20 @@ class Job:
     steps: int
     evals: int
     kappa: bool
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
 
     @classmethod
     def of(cls, s: Setting, method: str, lr: float, seed: int) -> Job:
-        return cls(s.model, method, s.batch, lr, seed, s.steps, s.evals, s.kappa)
+        warmup = min(s.warmup_epochs * s.steps_per_epoch, s.steps)
+        return cls(s.model, method, s.batch, lr, seed, s.steps, s.evals, s.kappa, s.momentum, s.weight_decay, warmup)
 
     @property
     def cost(self) -> float:
-        """Rough relative run time, to start the longest runs first."""
-        return self.steps * self.batch**0.5 * (8 if self.model == "CNN" else 1) * (2 if "BNP" in self.method else 1)
+        """Rough relative run time (ms on one 2020s CPU thread), to start the longest runs first."""
+        per_step = {"FC": 1.0, "FC2": 1.0, "CNN": 1.5 + 0.35 * self.batch, "R20": 2.1 * self.batch}[self.model]
+        return self.steps * per_step
 
 
 @dataclass
@@ -81,12 +91,12 @@ class Run:
         return self.test[-1]
 
 
-def runs_of(results: dict[Job, Run], s: Setting, method: str, lr: float, seeds: int) -> list[Run]:
-    return [results[Job.of(s, method, lr, seed)] for seed in range(seeds)]
+def runs_of(results: dict[Job, Run], s: Setting, method: str, lr: float) -> list[Run]:
+    return [results[Job.of(s, method, lr, seed)] for seed in range(s.seeds)]
 
 
 def accuracy(net: nn.Module, split: str) -> float:
-    x, y = digits()[split]
+    x, y = data()[split]
     net.eval()
     with torch.no_grad():
         acc = float((net(x).argmax(1) == y).float().mean())
@@ -95,14 +105,13 @@ def accuracy(net: nn.Module, split: str) -> float:
 
 
 def train(job: Job) -> Run:
-    """Plain SGD on the digits for ``job.steps`` steps; a run whose loss is not finite or exceeds 1e3 stops
-    updating and is marked diverged."""
+    """SGD on the 28×28 digits for ``job.steps`` steps; a run whose loss is not finite or exceeds 1e3 stops
+    updating and is marked diverged. SGD's weight decay acts after BNP's transform (decay in z, paper 001)."""
     torch.manual_seed(job.seed)  # same initial weights for every method and learning rate of a seed
-    net, use_bnp = build(job.model, job.method)
-    pre = BNPPreconditioner(net) if use_bnp else None
-    opt = torch.optim.SGD(net.parameters(), lr=job.lr)
+    net, pre = build(job.model, job.method)
+    opt = torch.optim.SGD(net.parameters(), lr=job.lr, momentum=job.momentum, weight_decay=job.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
-    x, y = digits()["train"]
+    x, y = data()["train"]
     gen = torch.Generator().manual_seed(job.seed)  # same data order too
     every = max(1, job.steps // job.evals)
     run, step, start = Run(), 0, time.perf_counter()
@@ -119,6 +128,8 @@ def train(job: Job) -> Run:
     while step < job.steps:  # epochs; the last one may be cut short
         for idx in torch.randperm(len(y), generator=gen).split(job.batch):
             if not run.diverged:
+                if job.warmup_steps:  # linear from lr/10 to lr (Appendix B: 0.01 → 0.1)
+                    opt.param_groups[0]["lr"] = job.lr * (0.1 + 0.9 * min(1.0, step / job.warmup_steps))
                 opt.zero_grad(set_to_none=True)
                 loss = loss_fn(net(x[idx]), y[idx])
                 loss.backward()

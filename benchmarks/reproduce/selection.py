@@ -57,9 +57,9 @@ class Choice:
         return mean([float(total if s is None else s) for s in reached])
 
 
-def choose(s: Setting, method: str, results: dict[Job, Run], seeds: int) -> Choice:
+def choose(s: Setting, method: str, results: dict[Job, Run]) -> Choice:
     """The learning rate of ``s.lrs`` with the best validation :func:`score` (ties: the smaller rate)."""
-    by_lr = {lr: runs_of(results, s, method, lr, seeds) for lr in s.lrs}
+    by_lr = {lr: runs_of(results, s, method, lr) for lr in s.lrs}
     grid = {lr: score(runs) for lr, runs in by_lr.items()}
     diverged = {lr: sum(r.diverged for r in runs) for lr, runs in by_lr.items()}
     best = max(s.lrs, key=lambda lr: (grid[lr], -lr))

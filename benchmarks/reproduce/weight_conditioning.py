@@ -12,16 +12,16 @@ from benchmarks.reproduce.settings import Setting
 TRAINS = 0.9  # a rate "trains" when the mean final test accuracy over the seeds is at least this
 
 
-def final_accuracies(s: Setting, results: dict[Job, Run], seeds: int) -> dict[tuple[str, float], list[float]]:
+def final_accuracies(s: Setting, results: dict[Job, Run]) -> dict[tuple[str, float], list[float]]:
     """(method, lr) -> the seeds' final test accuracies over the sweep."""
-    return {(m, lr): [r.final for r in runs_of(results, s, m, lr, seeds)] for m in s.methods for lr in s.lrs}
+    return {(m, lr): [r.final for r in runs_of(results, s, m, lr)] for m in s.methods for lr in s.lrs}
 
 
-def section(s: Setting, results: dict[Job, Run], seeds: int) -> list[str]:
+def section(s: Setting, results: dict[Job, Run]) -> list[str]:
     lrs = s.lrs
     lines = [
         "## 4. BN vs BN + Weight Conditioning at large learning rates (paper 004 Fig. 1, §6.1)\n",
-        f"CNN-5 with BN after every convolution, batch {s.batch}, {s.epochs} epochs of plain SGD, {seeds} "
+        f"CNN-5 with BN after every convolution, batch {s.batch}, {s.epochs} epochs of plain SGD, {s.seeds} "
         "seeds; BN+WC adds row equilibration to the first convolution and the last dense layer "
         '(`apply_weight_conditioning(layers="first_and_last")`, the paper\'s CNN recipe). No learning-rate '
         "choice is made: every rate of the sweep is reported (final test accuracy, %).\n",
@@ -32,10 +32,10 @@ def section(s: Setting, results: dict[Job, Run], seeds: int) -> list[str]:
         + " |",
         "|---|" + "---|" * (2 * len(s.methods)),
     ]
-    finals = final_accuracies(s, results, seeds)
+    finals = final_accuracies(s, results)
     for lr in lrs:
         cells = [fmt_range(finals[m, lr]) for m in s.methods]
-        div = [f"{sum(r.diverged for r in runs_of(results, s, m, lr, seeds))}/{seeds}" for m in s.methods]
+        div = [f"{sum(r.diverged for r in runs_of(results, s, m, lr))}/{s.seeds}" for m in s.methods]
         lines.append(f"| {lr:g} | " + " | ".join(cells) + " | " + " | ".join(div) + " |")
     lines.append("\n![wc](results/weight_conditioning.png)\n")
 
@@ -68,9 +68,9 @@ def section(s: Setting, results: dict[Job, Run], seeds: int) -> list[str]:
     return lines
 
 
-def plot(s: Setting, results: dict[Job, Run], seeds: int, path: Path) -> None:
+def plot(s: Setting, results: dict[Job, Run], path: Path) -> None:
     lrs = s.lrs
-    finals = final_accuracies(s, results, seeds)
+    finals = final_accuracies(s, results)
     # the curves at the first rate of the sweep that BN does not train at: where it breaks
     shown = next((lr for lr in lrs if mean(finals["BN", lr]) < TRAINS), lrs[-1])
     plt = plt_module()
@@ -79,7 +79,7 @@ def plot(s: Setting, results: dict[Job, Run], seeds: int, path: Path) -> None:
         per_lr = [finals[method, lr] for lr in lrs]
         a0.plot(lrs, [mean(f) for f in per_lr], marker="o", color=f"C{k}", label=method)
         a0.fill_between(lrs, [min(f) for f in per_lr], [max(f) for f in per_lr], color=f"C{k}", alpha=0.15, lw=0)
-        band(a1, runs_of(results, s, method, shown, seeds), "test", method, f"C{k}")
+        band(a1, runs_of(results, s, method, shown), "test", method, f"C{k}")
     a0.set_xscale("log")
     a0.set_xlabel("learning rate (plain SGD)", fontsize=8)
     a0.set_ylabel("final test accuracy", fontsize=8)

@@ -61,9 +61,10 @@ class BatchNormPreconditioning(Callback):
         eps2: ε2 > 0 (paper: 1e-4).
         statistics: ``"running"`` (the paper's Alg. 2/3) or ``"batch"`` (this step's statistics;
             an error for a dense layer that sees one sample).
-        bias_correction: divide the running averages by 1 − ρ^t instead of starting from the
-            paper's μ = 0, σ² = 1 (see the README for the benchmark behind the default);
-            ``False`` is exactly the paper.
+        bias_correction: ``False`` (default) starts the running averages from the paper's μ = 0,
+            σ² = 1, exactly Alg. 2/3; ``True`` divides them by 1 − ρ^t (Adam-style) so that P uses the
+            data's statistics from the first step (see the README and ``benchmarks/RESULTS.md`` §5 for
+            the evidence behind the default).
         layer_types: layer classes to manage, from ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d``
             (default: all four).
         include: glob patterns of module names to manage (default: every layer of those types).
@@ -89,7 +90,7 @@ class BatchNormPreconditioning(Callback):
         eps1: float = 1e-2,
         eps2: float = 1e-4,
         statistics: Literal["running", "batch"] = "running",
-        bias_correction: bool = True,
+        bias_correction: bool = False,
         layer_types: Optional[list[str]] = None,
         include: Optional[list[str]] = None,
         exclude: Optional[list[str]] = None,

@@ -150,7 +150,10 @@ class BNPPreconditioner:
         eps2: ε2 > 0, absolute floor of σ̃².
         statistics: ``"running"`` (Alg. 2/3 step 2) or ``"batch"`` (this step's μ_H, σ²_H).
         bias_correction: divide the running averages by 1 − ρ^t (Adam-style warm start) instead
-            of the paper's μ = 0, σ² = 1 start, which dominates the first ~1/(1−ρ) steps.
+            of the paper's μ = 0, σ² = 1 start (the default, exactly Alg. 2/3), which dominates the first
+            ~1/(1−ρ) steps like a learning-rate warm-up. The paper's start is the default because the
+            bias-corrected one diverges at the paper's learning rate on the CNN
+            (``benchmarks/RESULTS.md`` §5).
         layer_types: which of ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d`` to manage.
         include: glob patterns of layer names to manage (all when ``None``).
         exclude: glob patterns of layer names to leave alone.
@@ -179,7 +182,7 @@ class BNPPreconditioner:
         eps1: float = 1e-2,
         eps2: float = 1e-4,
         statistics: StatisticsMode = "running",
-        bias_correction: bool = True,
+        bias_correction: bool = False,
         layer_types: Sequence[str] = DEFAULT_LAYER_TYPES,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,13 @@ def test_quick_run_writes_report_and_figures(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / "RESULTS.md").read_text()
     assert "QUICK MODE" in text
-    for heading in ("## 1. Convergence", "## 2. Hessian-block", "## 3. Cost", "## 4. BN vs BN + Weight"):
+    for heading in (
+        "## 1. Convergence",
+        "## 2. Hessian-block",
+        "## 3. Cost",
+        "## 4. BN vs BN + Weight",
+        "## 5. The default start",
+    ):
         assert heading in text
     assert text.count("reproduced**") >= 9  # every claim gets a verdict
     for name in FIGURES:
@@ -57,12 +64,12 @@ def _run(val: float, test: float, diverged: bool = False) -> Run:
 
 
 def test_learning_rate_is_chosen_on_validation_not_test() -> None:
-    s = Setting("FC", 60, 1, (0.1, 1.0), ("BNP",), "test", 0.9)
+    s = Setting("FC", 60, 1, (0.1, 1.0), ("BNP",), "test", 0.9, seeds=1)
     results = {
         Job.of(s, "BNP", 0.1, 0): _run(val=0.9, test=0.5),
         Job.of(s, "BNP", 1.0, 0): _run(val=0.8, test=0.99),
     }
-    choice = choose(s, "BNP", results, seeds=1)
+    choice = choose(s, "BNP", results)
     assert choice.lr == 0.1
     assert choice.final == [0.5]
     assert choice.edge
@@ -75,10 +82,15 @@ def test_diverged_runs_score_as_chance() -> None:
 
 
 def test_runs_of_different_lengths_do_not_share_a_result() -> None:
-    # the CNN batch-128 convergence runs and the Weight Conditioning sweep both train BN at lr 0.1 and 0.5
+    # the CNN batch-128 convergence runs and the Weight Conditioning sweep both train BN at lr 0.1 and 0.5: the
+    # same configuration is one run (one key), a different length is another
     cnn128 = next(s for s in CONVERGENCE if s.model == "CNN" and s.batch == WC.batch)
-    assert cnn128.steps != WC.steps
-    assert Job.of(cnn128, "BN", 0.1, 0) != Job.of(WC, "BN", 0.1, 0)
+    longer = replace(WC, epochs=cnn128.epochs + 1)
+    assert cnn128.steps != longer.steps
+    assert Job.of(cnn128, "BN", 0.1, 0) != Job.of(longer, "BN", 0.1, 0)
+    assert Job.of(cnn128, "BN", 0.1, 0) == Job.of(replace(WC, epochs=cnn128.epochs), "BN", 0.1, 0)
+    # the optimizer's settings are part of the key too
+    assert Job.of(cnn128, "BN", 0.1, 0) != Job.of(replace(cnn128, momentum=0.9), "BN", 0.1, 0)
 
 
 def test_ahead_compares_accuracy_first_then_steps_to_target() -> None:
@@ -95,9 +107,12 @@ def test_ahead_compares_accuracy_first_then_steps_to_target() -> None:
 
 
 def test_cnn_q2_follows_algorithm_3() -> None:
-    # conv: max(c_in·k²/N, √(r·s)) on 8×8, 4×4 and 2×2 maps; dense: max(n/N, 1)
-    assert convergence.cnn_q2(1, 8, 128) == [8.0, max(32 * 9 / 128, 4.0), max(64 * 9 / 128, 2.0), 1.0, 1.0]
-    assert convergence.cnn_q2(1, 8, 2) == [8.0, 32 * 9 / 2, 64 * 9 / 2, 128 / 2, 64 / 2]
+    # the paper's 'valid' CNN on 28×28: conv outputs 26×26, 11×11, 3×3; dense fan-ins 3·3·32 = 288 and 64
+    # conv: max(c_in·k²/N, √(r·s)); dense: max(n/N, 1)
+    assert convergence.cnn_q2(1, 28, 128) == [26.0, 11.0, 64 * 9 / 128, 288 / 128, 1.0]
+    assert convergence.cnn_q2(1, 28, 2) == [26.0, 32 * 9 / 2, 64 * 9 / 2, 288 / 2, 64 / 2]
+    # on CIFAR-10 (3×32×32): outputs 30×30, 13×13, 4×4; first dense fan-in 4·4·32 = 512
+    assert convergence.cnn_q2(3, 32, 128) == [30.0, 13.0, 64 * 9 / 128, 512 / 128, 1.0]
 
 
 def test_flop_model_crossover_matches_prop6() -> None:
@@ -106,7 +121,7 @@ def test_flop_model_crossover_matches_prop6() -> None:
     assert cost.extra_flops_ratio(width, 16) > 1
     assert cost.extra_flops_ratio(width, 1024) < 1
     # the N-dependent terms, by hand
-    assert cost.flops_bnp(width, 1) - cost.flops_bnp(width, 0) == 4 * (64 + 3 * width)
+    assert cost.flops_bnp(width, 1) - cost.flops_bnp(width, 0) == 4 * (784 + 3 * width)
     assert cost.flops_bn(width, 2) - cost.flops_bn(width, 1) == 3 * 32 * width
 
 
@@ -142,7 +157,7 @@ def test_hessian_kappa_against_the_softmax_formula() -> None:
     # ∇²_ŵ L for output neuron 0 of softmax cross-entropy: (1/N) Σ_i p_i0 (1 − p_i0) ĥ_i ĥ_iᵀ, ĥ_i = [1, h_i]
     torch.manual_seed(0)
     net = fc_network(in_features=5, hidden=7, depth=2, num_classes=3)
-    pre = BNPPreconditioner(net)
+    pre = BNPPreconditioner(net, bias_correction=True)  # the first step's running statistics are the batch's
     x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
     loss_fn = nn.CrossEntropyLoss()
     loss_fn(net(x), y).backward()

@@ -98,13 +98,16 @@ LAM = 0.3
 )
 def test_one_sgd_step_equals_the_formula(tmp_path: Path, quantities: dict, kwargs: dict, expected: Any) -> None:
     kwargs.setdefault("exclude_bias_and_norm", False)
-    new = lightning_step(tmp_path, [BatchNormPreconditioning(), ZSpaceRegularization(**kwargs)], make_net())
+    # the reference's M uses the batch statistics: the bias-corrected running averages after one step
+    bnp = BatchNormPreconditioning(bias_correction=True)
+    new = lightning_step(tmp_path, [bnp, ZSpaceRegularization(**kwargs)], make_net())
     torch.testing.assert_close(new, quantities["p"] - LR * expected(quantities), rtol=1e-9, atol=1e-11)
 
 
 def test_finite_difference_gradient_penalty_is_close_to_the_formula(tmp_path: Path, quantities: dict) -> None:
     reg = ZSpaceRegularization(gradient_penalty=LAM, hvp="finite_difference", fd_step=1e-6)  # a smooth (tanh) net
-    new = lightning_step(tmp_path, [reg, BatchNormPreconditioning()], make_net())  # order does not matter
+    bnp = BatchNormPreconditioning(bias_correction=True)  # M from the batch statistics, as the reference's
+    new = lightning_step(tmp_path, [reg, bnp], make_net())  # order does not matter
     q = quantities
     expected = q["p"] - LR * (q["M"] @ q["g"] + 2 * LAM * q["M"] @ q["H"] @ q["M"] @ q["g"])
     torch.testing.assert_close(new, expected, rtol=1e-6, atol=1e-7)  # a first-order difference

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_bnp import BatchNormPreconditioning
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
 
 TINY = 1e-30  # ε1, ε2 must be > 0; this makes them vanish next to any variance
@@ -117,9 +118,23 @@ def test_batch_size_one_statistics_by_hand() -> None:
         torch.testing.assert_close(layer.bias.grad, grad_b / 2 - new_w @ mu)
 
 
+def test_default_start_is_the_papers() -> None:
+    """Alg. 2 step 2 starts from μ = 0, σ² = 1: after one step of batch statistics (μ_H, σ²_H) the running
+    statistics are ρ·0 + (1 − ρ)·μ_H and ρ·1 + (1 − ρ)·σ²_H, in the core and in the callback."""
+    assert BNPPreconditioner(nn.Linear(2, 1)).bias_correction is False
+    assert BatchNormPreconditioning().bias_correction is False
+    layer = nn.Linear(2, 1)
+    pre = BNPPreconditioner(layer, rho=0.9)
+    h = torch.tensor([[1.0, 10.0], [3.0, 30.0]])  # μ_H = (2, 20), σ²_H = (1, 100)
+    layer(h).sum().backward()
+    pre.step()
+    torch.testing.assert_close(pre.layers[""].running.mu, torch.tensor([0.2, 2.0]))
+    torch.testing.assert_close(pre.layers[""].running.var, torch.tensor([0.9 + 0.1, 0.9 + 10.0]))
+
+
 def test_batch_size_one_bias_corrected_uses_corrected_running_mean() -> None:
     layer = nn.Linear(1, 1)
-    pre = BNPPreconditioner(layer, rho=0.5)  # bias_correction=True by default
+    pre = BNPPreconditioner(layer, rho=0.5, bias_correction=True)
     for h in (2.0, 6.0):
         layer.zero_grad()
         layer(torch.tensor([[h]])).sum().backward()
