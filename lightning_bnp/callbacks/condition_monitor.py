@@ -24,10 +24,9 @@ Helpers live in :mod:`._probes`; tags and the TensorBoard layout in :mod:`._logg
 
 from __future__ import annotations
 
-import math
 from contextlib import ExitStack, nullcontext
 from fnmatch import fnmatchcase
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -42,6 +41,7 @@ from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core import metrics as M
 from lightning_bnp.core.preconditioner import BNPPreconditioner
+from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_int, check_patterns
 
 __all__ = ["ConditionNumberMonitor"]
 
@@ -88,15 +88,16 @@ class ConditionNumberMonitor(Callback):
         self,
         *,
         every_n_steps: int = 500,
-        layers: Optional[list[str]] = None,
+        layers: Union[list[str], str, None] = None,
         kappa_d: bool = True,
         hessian_block: bool = True,
-        hessian_layers: Optional[list[str]] = None,
+        hessian_layers: Union[list[str], str, None] = None,
         neuron: int = 0,
         hessian_precision: Literal["float64", "model"] = "float64",
         hessian_rtol: Optional[float] = None,
         max_hessian_size: int = 1024,
         weight_kappa: bool = True,
+        max_weight_kappa_size: int = 512,
         effective_lr: bool = True,
         lanczos: bool = False,
         lanczos_iters: int = 20,
@@ -108,24 +109,25 @@ class ConditionNumberMonitor(Callback):
             ("every_n_steps", every_n_steps, 1),
             ("neuron", neuron, 0),
             ("max_hessian_size", max_hessian_size, 1),
+            ("max_weight_kappa_size", max_weight_kappa_size, 1),
             ("lanczos_iters", lanczos_iters, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}")
-        for name, patterns in (("layers", layers), ("hessian_layers", hessian_layers)):
-            if patterns is not None and not patterns:
-                raise ValueError(f"`{name}` must be None or a non-empty list of patterns, got []")
-        if hessian_precision not in ("float64", "model"):
-            raise ValueError(f"`hessian_precision` must be 'float64' or 'model', got {hessian_precision!r}")
-        if hessian_rtol is not None and not 0.0 < hessian_rtol < 1.0:
-            raise ValueError(f"`hessian_rtol` must be None or in (0, 1), got {hessian_rtol}")
-        steps = [0.5, 1.0, 2.0, 3.0, 4.0] if landscape_steps is None else list(landscape_steps)
-        if not steps or not all(math.isfinite(k) and k > 0 for k in steps):
-            raise ValueError(f"`landscape_steps` must be a non-empty list of finite numbers > 0, got {landscape_steps}")
-        if landscape_direction not in ("gradient", "preconditioned"):
-            raise ValueError(
-                f"`landscape_direction` must be 'gradient' or 'preconditioned', got {landscape_direction!r}"
-            )
+            check_int(name, value, low=low)
+        layers, hessian_layers = check_patterns("layers", layers), check_patterns("hessian_layers", hessian_layers)
+        for name, flag in (
+            ("kappa_d", kappa_d),
+            ("hessian_block", hessian_block),
+            ("weight_kappa", weight_kappa),
+            ("effective_lr", effective_lr),
+            ("lanczos", lanczos),
+            ("landscape", landscape),
+        ):
+            check_bool(name, flag)
+        check_choice("hessian_precision", hessian_precision, ("float64", "model"))
+        if hessian_rtol is not None:
+            hessian_rtol = check_float("hessian_rtol", hessian_rtol, low=0.0, high=1.0, low_open=True, high_open=True)
+        steps = [0.5, 1.0, 2.0, 3.0, 4.0] if landscape_steps is None else _step_multiples(landscape_steps)
+        check_choice("landscape_direction", landscape_direction, ("gradient", "preconditioned"))
         if not (kappa_d or hessian_block or weight_kappa or effective_lr or lanczos or landscape):
             raise ValueError("every metric is switched off (`kappa_d`, `hessian_block`, ...): nothing to log")
         self.every_n_steps, self.neuron = every_n_steps, neuron
@@ -133,6 +135,7 @@ class ConditionNumberMonitor(Callback):
         self.kappa_d, self.hessian_block, self.weight_kappa = kappa_d, hessian_block, weight_kappa
         self.hessian_precision, self.hessian_rtol = hessian_precision, hessian_rtol
         self.max_hessian_size, self.effective_lr = max_hessian_size, effective_lr
+        self.max_weight_kappa_size = max_weight_kappa_size
         self.lanczos, self.lanczos_iters = lanczos, lanczos_iters
         self.landscape, self.landscape_steps, self.landscape_direction = landscape, steps, landscape_direction
         self._bnp: BatchNormPreconditioning | None = None
@@ -376,5 +379,18 @@ class ConditionNumberMonitor(Callback):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _step_multiples(value: Any) -> list[float]:
+    """``landscape_steps`` as floats: a non-empty list of finite numbers > 0."""
+    message = f"`landscape_steps` must be a non-empty list of finite numbers > 0, got {value!r}"
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(message)
+    if not value:
+        raise ValueError(message)
+    try:
+        return [check_float("landscape_steps", k, low=0.0, low_open=True) for k in value]
+    except (TypeError, ValueError) as err:
+        raise type(err)(message) from None
+
+
 def _matches(name: str, patterns: list[str] | None) -> bool:
     return patterns is None or any(fnmatchcase(name, p) for p in patterns)

@@ -46,7 +46,6 @@ paper's Thm. 5.1 / Prop. 1 drop the √m: κ(E_r W) ≤ κ(W) holds for two rows
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, get_args
@@ -56,7 +55,8 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core.selection import select_layers
+from lightning_bnp.core.selection import select_layers, validate_layer_types
+from lightning_bnp.core.validation import check_choice, check_float, check_patterns
 
 __all__ = [
     "DEFAULT_EPS",
@@ -88,27 +88,22 @@ def validate_conditioning_arguments(
     layer_types: object = DEFAULT_LAYER_TYPES,
     include: object = None,
     exclude: object = None,
-) -> None:
+) -> tuple[list[str], list[str] | None, list[str] | None]:
     """Shared constructor checks; messages name the argument and the value.
 
+    Returns:
+        ``(layer_types, include, exclude)`` as lists; a bare string is one entry (one pattern).
+
     Raises:
-        ValueError: an unknown ``mode`` or ``layers``, ``eps`` not a finite number > 0, or
-            ``layer_types``/``include``/``exclude`` not a list of strings (a bare string would be
-            read one character at a time), or an empty ``include``/``exclude`` list.
+        TypeError: ``eps`` not a number (or a bool), or ``layer_types``/``include``/``exclude`` neither a
+            string nor a list of strings.
+        ValueError: an unknown ``mode``, ``layers`` or layer type, ``eps`` not a finite number > 0, or an
+            empty ``layer_types``/``include``/``exclude`` list.
     """
-    if mode not in MODES:
-        raise ValueError(f"`mode` must be one of {list(MODES)}, got {mode!r}")
-    if layers not in LAYER_CHOICES:
-        raise ValueError(f"`layers` must be one of {list(LAYER_CHOICES)}, got {layers!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0.0 and math.isfinite(eps)):
-        raise ValueError(f"`eps` must be a finite number > 0, got {eps!r}")
-    for arg, value in (("layer_types", layer_types), ("include", include), ("exclude", exclude)):
-        if value is None and arg != "layer_types":
-            continue
-        if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"`{arg}` must be a list of strings, got {value!r}")
-        if arg != "layer_types" and not value:
-            raise ValueError(f"`{arg}` must be None or a non-empty list of patterns, got []")
+    check_choice("mode", mode, MODES)
+    check_choice("layers", layers, LAYER_CHOICES)
+    check_float("eps", eps, low=0.0, low_open=True)
+    return validate_layer_types(layer_types), check_patterns("include", include), check_patterns("exclude", exclude)  # type: ignore[arg-type]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -281,8 +276,8 @@ def apply_weight_conditioning(
         mode: ``"row"``, ``"column"`` or ``"row_column"`` (see :func:`equilibrate`).
         layers: ``"all"`` or ``"first_and_last"``.
         layer_types: which of ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d`` to consider.
-        include: glob patterns of module names to condition.
-        exclude: glob patterns of module names to leave alone.
+        include: glob patterns of module names to condition (a bare string is one pattern).
+        exclude: glob patterns of module names to leave alone (a bare string is one pattern).
         eps: floor of the norms.
 
     Returns:
@@ -298,7 +293,7 @@ def apply_weight_conditioning(
         ...  # train
         bake_weight_conditioning(model)  # plain modules, same outputs
     """
-    validate_conditioning_arguments(mode, layers, eps, layer_types, include, exclude)
+    layer_types, include, exclude = validate_conditioning_arguments(mode, layers, eps, layer_types, include, exclude)
     try:
         selected = select_layers(model, layer_types, include, exclude)
     except ValueError as err:  # the shared helper names BNP as its client

@@ -228,7 +228,7 @@ def test_without_bnp_only_the_original_hessian_is_logged(tmp_path: Path) -> None
         ({"layers": []}, "`layers` must be None or a non-empty list"),
         ({"hessian_layers": []}, "`hessian_layers` must be None or a non-empty list"),
         ({"hessian_precision": "half"}, "`hessian_precision` must be 'float64' or 'model', got 'half'"),
-        ({"hessian_rtol": 1.0}, r"`hessian_rtol` must be None or in \(0, 1\), got 1.0"),
+        ({"hessian_rtol": 1.0}, r"`hessian_rtol` must be a finite number in \(0, 1\), got 1.0"),
         ({"landscape_steps": [1.0, -2.0]}, "`landscape_steps` must be a non-empty list of finite numbers > 0"),
         ({"landscape_direction": "up"}, "`landscape_direction` must be 'gradient' or 'preconditioned', got 'up'"),
         (

@@ -217,15 +217,15 @@ def test_decay_works_with_manual_optimization(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"weight_decay": -0.1}, r"`weight_decay` must be >= 0, got -0.1"),
-        ({"gradient_penalty": -1.0}, r"`gradient_penalty` must be >= 0, got -1.0"),
+        ({"weight_decay": -0.1}, r"`weight_decay` must be a finite number >= 0, got -0.1"),
+        ({"gradient_penalty": -1.0}, r"`gradient_penalty` must be a finite number >= 0, got -1.0"),
         ({}, r"`weight_decay` and `gradient_penalty` are both 0"),
         ({"weight_decay": 0.1, "decay_space": "w"}, r"`decay_space` must be 'z' or 'p', got 'w'"),
         (
             {"gradient_penalty": 0.1, "hvp": "exact"},
             r"`hvp` must be 'finite_difference' or 'double_backprop', got 'exact'",
         ),
-        ({"gradient_penalty": 0.1, "fd_step": 0.0}, r"`fd_step` must be > 0, got 0.0"),
+        ({"gradient_penalty": 0.1, "fd_step": 0.0}, r"`fd_step` must be a finite number > 0, got 0.0"),
     ],
 )
 def test_invalid_arguments(kwargs: dict, match: str) -> None:
