@@ -137,6 +137,8 @@ def neuron_hessians(loss_of: LossOf, blocks: Sequence[NeuronBlock]) -> list[Tens
         loss_of: the loss given tensors that replace the named ones (keys of the blocks).
         blocks: the neurons.
     """
+    if not blocks:  # nothing to differentiate (``autograd.grad`` refuses an empty list of inputs)
+        return []
     thetas = [b.initial().clone().requires_grad_(True) for b in blocks]
     with torch.enable_grad():
         replaced: dict[str, Tensor] = {}

@@ -425,3 +425,35 @@ def test_weight_conditioning_layers_log_the_conditioned_kappa(tmp_path: Path) ->
         )
     assert math.isfinite(logged["bnp/hessian_kappa/network.2/preconditioned"][0][1])  # ŵ = the free parameter's row
     assert logged["timing/weight_conditioning_ms"][0][1] > 0  # E·W's forward, this package's transform
+
+
+def test_default_monitor_skips_layers_over_the_size_limits_instead_of_crashing(tmp_path: Path) -> None:
+    """Issue 15, item 5: a head with ≥ 1024 inputs (ResNet-50: 2048) crashed `fit` at step 1 with
+    "inputs argument to grad() cannot be empty"; the docs promise a skip with a warning. Weight κ has a
+    limit too (`max_weight_kappa_size`, min(out, in·k) singular values)."""
+    torch.manual_seed(0)
+    model = BoringClassifier(nn.Sequential(nn.Linear(1100, 520), nn.ReLU(), nn.Linear(520, 1100), nn.Linear(1100, 3)))
+    monitor = ConditionNumberMonitor(every_n_steps=1)  # defaults: max_hessian_size=1024, max_weight_kappa_size=512
+    with pytest.warns(UserWarning) as record:
+        trainer = _fit(tmp_path, model, make_data(n=32, shape=(1100,)), batch_size=16,
+                       callbacks=[BatchNormPreconditioning(), monitor], max_steps=2,
+                       logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    messages = [str(w.message) for w in record]
+    hessian_warning = [m for m in messages if "Hessian block skipped" in m]
+    assert hessian_warning == [
+        "ConditionNumberMonitor: layer 'network.3': Hessian block skipped, its neuron has 1101 parameters "
+        "> `max_hessian_size`=1024"
+    ]  # once, not per record
+    size_warnings = [m for m in messages if "weight κ skipped" in m]
+    assert len(size_warnings) == 2 and all("> `max_weight_kappa_size`=512" in m for m in size_warnings)
+    assert "'network.0'" in size_warnings[0] and "'network.2'" in size_warnings[1]  # 520 singular values each
+    logged = scalars(trainer)
+    assert not [tag for tag in logged if "hessian" in tag]
+    assert {"bnp/weight_kappa/network.3/raw"} == {tag for tag in logged if "weight_kappa" in tag}
+    assert [s for s, _ in logged["bnp/weight_kappa/network.3/raw"]] == [0, 1]
+
+
+def test_neuron_hessians_of_no_block_is_empty() -> None:
+    from lightning_bnp.core import metrics as M
+
+    assert M.neuron_hessians(lambda replaced: torch.zeros(()), []) == []
