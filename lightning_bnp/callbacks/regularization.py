@@ -14,7 +14,9 @@ Without BNP, M = I and the callback acts on its own in that hook. Either way it 
 optimizer step on unscaled gradients (after accumulation and AMP unscaling, before clipping).
 
 Gradient regularization re-runs ``training_step`` on the step's batches (every accumulated
-micro-batch, with the RNG state each had, the loss divided as Lightning divides it) to form ∇²L·v:
+micro-batch, with the RNG state each had, the loss divided as Lightning divides it; a micro-batch
+whose ``training_step`` returns ``None`` is skipped, as Lightning skips its backward, and a step
+without any gradient gets no term) to form ∇²L·v:
 BNP statistics are paused and ``self.log`` is silenced meanwhile, so nothing is recorded twice;
 under DDP the product is averaged over ranks. Metric objects updated inside ``training_step`` are
 updated again by that re-run.
@@ -180,6 +182,10 @@ class ZSpaceRegularization(Callback):
     ) -> None:
         """Add the regularization terms to the gradients, which already hold M·∇L."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:  # e.g. `training_step` returned None: Lightning ran no backward, nothing to add to
+            self._batches.clear()
+            self._raw_grads = {}
+            return
         transforms = pre.step_transforms(params) if pre is not None else {}
 
         def apply_m_(terms: dict[int, Tensor]) -> None:
@@ -230,9 +236,11 @@ class ZSpaceRegularization(Callback):
                     with trainer.precision_plugin.train_step_context():
                         out = pl_module.training_step(batch, batch_idx)
                 loss = out["loss"] if isinstance(out, dict) else out
+                if loss is None:  # a skipped micro-batch: Lightning ran no backward for it, so it adds nothing
+                    continue
                 if not isinstance(loss, Tensor):
                     raise RuntimeError(
-                        "ZSpaceRegularization(gradient_penalty>0) needs `training_step` to return the loss"
+                        "ZSpaceRegularization(gradient_penalty>0) needs `training_step` to return the loss or None"
                     )
                 total = total + loss / accumulate
             return total
