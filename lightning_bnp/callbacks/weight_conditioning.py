@@ -16,7 +16,9 @@ a no-op; a selected layer already equilibrated with another ``mode``/``eps`` is 
 
 .. math::
     W_{\\text{row}} = E_r W,\\qquad W_{\\text{col}} = W E_c,\\qquad
-    W_{\\text{row-col}} = (E_r W)\\, E_c(E_r W),\\qquad E = \\operatorname{diag}(1/\\max(\\|\\cdot\\|_2, ε))
+    W_{\\text{row-col}} = (E_r W)\\, E_c(E_r W),\\qquad E = \\operatorname{diag}(1/\\|\\cdot\\|_2)
+
+(a factor is 1 for a vector of norm ≤ ε)
 
 with the paper's W = ``weight.T`` (n_in, n_out): paper rows are PyTorch columns.
 """
@@ -61,7 +63,8 @@ class WeightConditioning(Callback):
         include: glob patterns of module names to consider (default: every layer of those types); a
             bare string is one pattern (``include: net.0`` in YAML means ``["net.0"]``).
         exclude: glob patterns of module names to leave alone (a bare string is one pattern).
-        eps: ε > 0 in E = 1/max(‖·‖₂, ε); an all-zero vector stays zero and finite.
+        eps: ε > 0: vectors of norm ≤ ε (all-zero ones) are left as they are, with an identity
+            Jacobian, so their gradient is unscaled; all others get unit norm.
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``eps="1e-12"``, ``include=3``).
@@ -154,7 +157,8 @@ class WeightConditioning(Callback):
             if zeros:
                 rank_zero_warn(
                     f"WeightConditioning: layer {name!r} has {zeros} all-zero weight vectors (e.g. zero "
-                    f"initialisation); they output 0 and their first gradient is scaled by 1/eps = {1 / self.eps:g}."
+                    "initialisation); they output 0 until an optimizer step gives them a nonzero gradient, "
+                    "which they receive unscaled, and are unit vectors from then on."
                 )
 
     @staticmethod
