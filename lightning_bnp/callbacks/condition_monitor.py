@@ -3,7 +3,10 @@
 Every ``every_n_steps`` optimizer steps (steps 0, n, 2n, … counted from 0) this callback logs, after
 the step (``on_train_batch_end``), with :mod:`lightning_bnp.core.metrics`:
 
-* ``bnp/kappa_D/<layer>`` — κ(D) = max σ̃ / min σ̃ of each BNP layer;
+* ``bnp/kappa_D/<layer>`` — the paper's κ(D), D = diag(1, σ)⁻¹ of the raw input statistics of the P
+  BNP applied in its latest step (§5.1, Fig. 8), and ``bnp/kappa_D_floored/<layer>`` — max σ̃ / min σ̃
+  of the floored σ̃ that BNP divides by (≤ √((1 + ε1)/ε1) ≈ 10 by construction); layers BNP did not
+  transform in that step log neither;
 * ``bnp/hessian_kappa/<layer>/original|preconditioned``, ``bnp/hessian_min_ratio/…`` (λ_min / max|λ|)
   and ``bnp/hessian_rank/<layer>`` — the exact Hessian of the step's loss with respect to one output
   neuron's ŵ = [b_i; w_i] (Prop. 2), and Pᵀ∇²L P with BNP's P (Theorem 3) from the σ̃, μ of BNP's
@@ -24,6 +27,7 @@ Helpers live in :mod:`._probes`; tags and the TensorBoard layout in :mod:`._logg
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack, nullcontext
 from fnmatch import fnmatchcase
 from typing import Any, Literal, Optional, Union
@@ -47,8 +51,9 @@ __all__ = ["ConditionNumberMonitor"]
 
 
 class ConditionNumberMonitor(Callback):
-    """Log κ(D), exact Hessian-block κ (original and BNP-preconditioned), weight κ, effective learning
-    rates and, optionally, Lanczos extremes and paper 003's landscape probes.
+    """Log κ(D) (raw and floored), exact Hessian-block κ (original and BNP-preconditioned), weight κ,
+    effective learning rates and, optionally, Lanczos extremes and paper 003's landscape probes. A value
+    that cannot be computed (inf, NaN) is not logged; a one-time warning per tag says so.
 
     .. math::
         κ(∇^2_{\\hat w} L) = \\frac{\\max|λ|}{\\min_{|λ| > τ \\max|λ|} |λ|}, \\qquad
@@ -58,7 +63,7 @@ class ConditionNumberMonitor(Callback):
         every_n_steps: log after optimizer steps 0, n, 2n, … (≥ 1). The default keeps the cost of the
             default metrics under 5% of training time on the paper's FC network (docs/monitors.md).
         layers: glob patterns of Linear/ConvNd module names for the per-layer metrics (all when ``None``).
-        kappa_d: log κ(D) of each BNP layer.
+        kappa_d: log κ(D) (the paper's, from the raw statistics) and κ(D̃) (floored) of each BNP layer.
         hessian_block: log the Hessian-block κ of one neuron per selected layer.
         hessian_layers: glob patterns of the layers whose neuron Hessian is computed; ``None``: the
             last BNP layer (the output layer of the paper's Fig. 8), or the last Linear/ConvNd without BNP.
@@ -206,7 +211,8 @@ class ConditionNumberMonitor(Callback):
         """Custom Scalars charts: a category per kind, a chart per layer overlaying its variants."""
         layout: dict[str, dict[str, list[str]]] = {}
         if self.kappa_d and pre is not None:
-            layout["bnp/kappa_D"] = {"κ(D), all BNP layers": [chart("bnp", "kappa_D")]}
+            layout["bnp/kappa_D"] = {"κ(D), raw statistics, all BNP layers": [chart("bnp", "kappa_D")]}
+            layout["bnp/kappa_D_floored"] = {"κ(D̃), floored σ̃, all BNP layers": [chart("bnp", "kappa_D_floored")]}
         if self.hessian_block:
             for kind in ("hessian_kappa", "hessian_min_ratio"):
                 layout[f"bnp/{kind}"] = {n: [chart("bnp", kind, n)] for n in self._hessian_names}
@@ -266,8 +272,12 @@ class ConditionNumberMonitor(Callback):
         with torch.no_grad():
             if self.kappa_d and pre is not None:
                 for name, layer in pre.layers.items():
-                    if name in self._layers:
-                        metrics[f"bnp/kappa_D/{name}"] = M.kappa_d(probes.statistics(pre, layer)[1])
+                    # a layer BNP did not transform in the latest step has no D (e.g. nn.MultiheadAttention's
+                    # out_proj, whose forward never runs): logging its initial σ² = 1 would read "κ = 1"
+                    if name in self._layers and layer.transform is not None:
+                        var, mu, rtol = probes.raw_statistics(pre, layer)
+                        metrics[f"bnp/kappa_D/{name}"] = M.kappa_d(var, mu, bias_entry=mu is not None, rtol=rtol)
+                        metrics[f"bnp/kappa_D_floored/{name}"] = M.sigma_ratio(layer.transform.var_t)
             if self.weight_kappa:
                 for name, module in self._layers.items():
                     weight = probes.trainable_weight(module)
@@ -293,7 +303,7 @@ class ConditionNumberMonitor(Callback):
                         weight, bias, lrs[id(weight)], units
                     )
         if not self._captured:
-            return metrics
+            return self._finite(metrics)
         if self._probe_batch is None and self.lanczos:  # the fixed probe batch: the first one measured
             self._probe_batch = [c.cloned() for c in self._captured]
         with ExitStack() as stack:
@@ -309,7 +319,15 @@ class ConditionNumberMonitor(Callback):
                     metrics.update(self._lanczos_metrics(trainer, pl_module))
             except probes.NoLoss:
                 self._warn_once("no_loss", "`training_step` returned no loss tensor; probes skipped this step.")
-        return metrics
+        return self._finite(metrics)
+
+    def _finite(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Drop values that could not be computed (inf, NaN: e.g. the κ of a zero Hessian block, κ(D) with no
+        live unit, the κ of a singular weight), with a one-time warning per tag; loggers never see them."""
+        for tag, value in metrics.items():
+            if not math.isfinite(value):
+                self._warn_once(f"finite:{tag}", f"{tag} = {value} cannot be computed at this step; not logged.")
+        return {tag: value for tag, value in metrics.items() if math.isfinite(value)}
 
     def _hessian_metrics(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, pre: BNPPreconditioner | None
