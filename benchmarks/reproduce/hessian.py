@@ -25,8 +25,10 @@ def hessian_kappa(net: nn.Module, pre: BNPPreconditioner, loss_fn: nn.Module, x:
         batch_preconditioned: κ(P₀ᵀ∇²L P₀) with the theory's P₀ (§3, eq. 12): the batch's own μ and σ of
             the layer's input, no ε floors, over the live units (dead units' rows and columns of ∇²L are
             zero and drop out).
-        kappa_D: κ(D̃) = max σ̃ / min σ̃, what BNP divides by.
-        kappa_D_raw: κ(D) = max σ_H / min σ_H of the batch over the live units.
+        kappa_D_floored: κ(D̃) = max σ̃ / min σ̃, what BNP divides by (``ConditionNumberMonitor``'s
+            ``bnp/kappa_D_floored``).
+        kappa_D_raw: max σ_H / min σ_H of the batch over the live units (the monitor's ``bnp/kappa_D`` is
+            the paper's D with its bias entry and BNP's running σ, so it can differ).
         dead: how many of the layer's input units are dead on this batch.
     """
     assert isinstance(net, nn.Sequential)
@@ -55,7 +57,7 @@ def hessian_kappa(net: nn.Module, pre: BNPPreconditioner, loss_fn: nn.Module, x:
         "original": M.spectrum(h).kappa,
         "preconditioned": M.spectrum(p.T @ h @ p).kappa,
         "batch_preconditioned": M.spectrum(p0.T @ h_live @ p0).kappa if live.any() else math.nan,
-        "kappa_D": M.kappa_d(transform.var_t),
-        "kappa_D_raw": M.kappa_d(var_h[live]) if live.any() else math.nan,
+        "kappa_D_floored": M.sigma_ratio(transform.var_t),
+        "kappa_D_raw": M.sigma_ratio(var_h[live]) if live.any() else math.nan,
         "dead": float((~live).sum()),
     }

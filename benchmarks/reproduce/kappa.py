@@ -13,7 +13,7 @@ LABELS = {
     "original": "∇²L",
     "preconditioned": "Pᵀ∇²L P (BNP's P)",
     "batch_preconditioned": "P₀ᵀ∇²L P₀ (batch μ, σ)",
-    "kappa_D": "κ(D̃), BNP's σ̃",
+    "kappa_D_floored": "κ(D̃), BNP's σ̃",
     "kappa_D_raw": "κ(D), batch σ",
 }
 
@@ -42,7 +42,7 @@ def section(bnp: Choice, vanilla: Choice) -> list[str]:
     n = len(bnp.runs[0].kappa["original"])
     gain, gain0 = median_ratio(bnp, "original", "preconditioned"), median_ratio(bnp, "original", "batch_preconditioned")
     early = median_ratio(bnp, "original", "preconditioned", head=0.25)
-    kd, kd_raw = medians(bnp, "kappa_D"), medians(bnp, "kappa_D_raw")
+    kd, kd_raw = medians(bnp, "kappa_D_floored"), medians(bnp, "kappa_D_raw")
     original, conditioned = medians(bnp, "original"), medians(bnp, "preconditioned")
     all_raw = [k for r in bnp.runs for k in r.kappa["kappa_D_raw"] if math.isfinite(k)]
     span = f"{min(all_raw, default=math.nan):.3g}–{max(all_raw, default=math.nan):.3g}"
@@ -143,7 +143,7 @@ def plot(bnp: Choice, vanilla: Choice, path: Path) -> None:
     a0.set_title(f"2×100 FC, batch {s.batch}: accuracy (solid), loss (dashed)", fontsize=8)
     n = min(len(r.kappa["original"]) for r in bnp.runs)  # measured at the evaluation points from step 0
     steps = bnp.runs[0].steps[:n]
-    panels = ((a1, ("original", "preconditioned", "batch_preconditioned")), (a2, ("kappa_D", "kappa_D_raw")))
+    panels = ((a1, ("original", "preconditioned", "batch_preconditioned")), (a2, ("kappa_D_floored", "kappa_D_raw")))
     for ax, keys in panels:
         for k, key in enumerate(keys):
             curves(ax, steps, [r.kappa[key][:n] for r in bnp.runs], LABELS[key], f"C{k}")

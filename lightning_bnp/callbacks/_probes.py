@@ -37,6 +37,7 @@ __all__ = [
     "learning_rates",
     "neuron_p",
     "preserved_rng",
+    "raw_statistics",
     "silenced_logging",
     "statistics",
     "trainable_weight",
@@ -180,6 +181,27 @@ def statistics(pre: BNPPreconditioner, layer: _Layer) -> tuple[Tensor, Tensor]:
         mu = layer.transform.mu if layer.transform.mu is not None else layer.running.mu
         return mu, layer.transform.var_t
     return layer.running.mu, var_tilde(layer.running.var, pre.eps1, pre.eps2)
+
+
+def raw_statistics(pre: BNPPreconditioner, layer: _Layer) -> tuple[Tensor, Tensor | None, float | None]:
+    """(σ², μ, rtol) of the P that BNP's latest step applied to ``layer``, *before* the ε floors (for the
+    paper's κ(D)); μ is ``None`` without a centring block. Call only when ``layer.transform`` is set.
+
+    ``statistics="running"``: the running σ² and μ, which after the step are exactly those the step used.
+    ``statistics="batch"``: the batch σ²_H is not stored, so it is recovered from σ̃² by undoing step 3,
+    σ² = σ̃² − ε1·max σ² − ε2 with max σ² = (max σ̃² − ε2)/(1 + ε1), in float64. σ̃² is float32, so
+    σ_j below ≈ √(eps₃₂·(1 + ε1))·σ_max ≈ 3.5e-4·σ_max is not resolved: the returned ``rtol`` makes
+    such units count as dead rather than report rounding noise.
+    """
+    transform = layer.transform
+    assert transform is not None
+    if pre.statistics == "running":
+        return layer.running.var, transform.mu, None
+    var_t = transform.var_t.double()
+    top = (var_t.max() - pre.eps2) / (1.0 + pre.eps1)
+    var = (var_t - pre.eps1 * top - pre.eps2).clamp_min(0.0)
+    rtol = math.sqrt(torch.finfo(transform.var_t.dtype).eps * (1.0 + pre.eps1))
+    return var, transform.mu, rtol
 
 
 def neuron_p(pre: BNPPreconditioner, layer: _Layer, index: int, *, centred: bool) -> Tensor:

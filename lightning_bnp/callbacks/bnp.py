@@ -21,7 +21,7 @@ step post-hook, which PyTorch runs only when ``optimizer.step`` really happens: 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Protocol
+from typing import Any, Literal, Protocol, Union
 
 import lightning.pytorch as pl
 import torch
@@ -37,7 +37,6 @@ from lightning_bnp.core.preconditioner import (
     PendingUpdate,
     validate_bnp_arguments,
 )
-from lightning_bnp.core.selection import validate_layer_types
 
 __all__ = ["BatchNormPreconditioning", "StepRegularizer"]
 
@@ -67,13 +66,15 @@ class BatchNormPreconditioning(Callback):
             the evidence behind the default).
         layer_types: layer classes to manage, from ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d``
             (default: all four).
-        include: glob patterns of module names to manage (default: every layer of those types).
-        exclude: glob patterns of module names to leave alone.
+        include: glob patterns of module names to manage (default: every layer of those types); a
+            bare string is one pattern (``include: net.0`` in YAML means ``["net.0"]``).
+        exclude: glob patterns of module names to leave alone (a bare string is one pattern).
         sync_statistics: under DDP, pool each step's statistics over all ranks (one collective)
             so that every rank applies the same preconditioner to the all-reduced gradient.
 
     Raises:
-        ValueError: an argument is out of range, or (at setup) a pattern matches no layer.
+        TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
+        ValueError: an argument is out of range or not finite, or (at setup) a pattern matches no layer.
         RuntimeError: (at setup) an unsupported strategy; (at fit start) LBFGS, or a layer whose weight
             and bias are in different optimizers. Lightning itself refuses a second instance on one
             Trainer (one ``state_key``), which would transform the gradients twice.
@@ -91,17 +92,22 @@ class BatchNormPreconditioning(Callback):
         eps2: float = 1e-4,
         statistics: Literal["running", "batch"] = "running",
         bias_correction: bool = False,
-        layer_types: Optional[list[str]] = None,
-        include: Optional[list[str]] = None,
-        exclude: Optional[list[str]] = None,
+        layer_types: Union[list[str], str, None] = None,
+        include: Union[list[str], str, None] = None,
+        exclude: Union[list[str], str, None] = None,
         sync_statistics: bool = True,
     ) -> None:
-        validate_bnp_arguments(rho, eps1, eps2, statistics)
-        self.layer_types = list(DEFAULT_LAYER_TYPES) if layer_types is None else list(layer_types)
-        validate_layer_types(self.layer_types)
-        for arg, patterns in (("include", include), ("exclude", exclude)):
-            if patterns is not None and not patterns:
-                raise ValueError(f"`{arg}` must be None or a non-empty list of patterns, got []")
+        self.layer_types, include, exclude = validate_bnp_arguments(
+            rho,
+            eps1,
+            eps2,
+            statistics,
+            bias_correction=bias_correction,
+            layer_types=DEFAULT_LAYER_TYPES if layer_types is None else layer_types,
+            include=include,
+            exclude=exclude,
+            sync_statistics=sync_statistics,
+        )
         self.rho, self.eps1, self.eps2 = rho, eps1, eps2
         self.statistics: Literal["running", "batch"] = statistics
         self.bias_correction = bias_correction

@@ -3,7 +3,10 @@
 Every ``every_n_steps`` optimizer steps (steps 0, n, 2n, … counted from 0) this callback logs, after
 the step (``on_train_batch_end``), with :mod:`lightning_bnp.core.metrics`:
 
-* ``bnp/kappa_D/<layer>`` — κ(D) = max σ̃ / min σ̃ of each BNP layer;
+* ``bnp/kappa_D/<layer>`` — the paper's κ(D), D = diag(1, σ)⁻¹ of the raw input statistics of the P
+  BNP applied in its latest step (§5.1, Fig. 8), and ``bnp/kappa_D_floored/<layer>`` — max σ̃ / min σ̃
+  of the floored σ̃ that BNP divides by (≤ √((1 + ε1)/ε1) ≈ 10 by construction); layers BNP did not
+  transform in that step log neither;
 * ``bnp/hessian_kappa/<layer>/original|preconditioned``, ``bnp/hessian_min_ratio/…`` (λ_min / max|λ|)
   and ``bnp/hessian_rank/<layer>`` — the exact Hessian of the step's loss with respect to one output
   neuron's ŵ = [b_i; w_i] (Prop. 2), and Pᵀ∇²L P with BNP's P (Theorem 3) from the σ̃, μ of BNP's
@@ -27,7 +30,7 @@ from __future__ import annotations
 import math
 from contextlib import ExitStack, nullcontext
 from fnmatch import fnmatchcase
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -42,13 +45,15 @@ from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core import metrics as M
 from lightning_bnp.core.preconditioner import BNPPreconditioner
+from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_int, check_patterns
 
 __all__ = ["ConditionNumberMonitor"]
 
 
 class ConditionNumberMonitor(Callback):
-    """Log κ(D), exact Hessian-block κ (original and BNP-preconditioned), weight κ, effective learning
-    rates and, optionally, Lanczos extremes and paper 003's landscape probes.
+    """Log κ(D) (raw and floored), exact Hessian-block κ (original and BNP-preconditioned), weight κ,
+    effective learning rates and, optionally, Lanczos extremes and paper 003's landscape probes. A value
+    that cannot be computed (inf, NaN) is not logged; a one-time warning per tag says so.
 
     .. math::
         κ(∇^2_{\\hat w} L) = \\frac{\\max|λ|}{\\min_{|λ| > τ \\max|λ|} |λ|}, \\qquad
@@ -58,7 +63,7 @@ class ConditionNumberMonitor(Callback):
         every_n_steps: log after optimizer steps 0, n, 2n, … (≥ 1). The default keeps the cost of the
             default metrics under 5% of training time on the paper's FC network (docs/monitors.md).
         layers: glob patterns of Linear/ConvNd module names for the per-layer metrics (all when ``None``).
-        kappa_d: log κ(D) of each BNP layer.
+        kappa_d: log κ(D) (the paper's, from the raw statistics) and κ(D̃) (floored) of each BNP layer.
         hessian_block: log the Hessian-block κ of one neuron per selected layer.
         hessian_layers: glob patterns of the layers whose neuron Hessian is computed; ``None``: the
             last BNP layer (the output layer of the paper's Fig. 8), or the last Linear/ConvNd without BNP.
@@ -66,8 +71,12 @@ class ConditionNumberMonitor(Callback):
         hessian_precision: ``"float64"`` (the loss is re-evaluated in float64, autocast off, so κ up to
             ~1e13 is resolved) or ``"model"`` (the model's dtype and autocast; κ beyond ~1e5 is noise in float32).
         hessian_rtol: |λ| below ``hessian_rtol``·max|λ| count as zero (default: n·eps of the Hessian's dtype).
-        max_hessian_size: skip layers whose neuron has more than this many parameters (1 + fan-in).
+        max_hessian_size: skip layers whose neuron has more than this many parameters (1 + fan-in),
+            with a one-time warning per layer.
         weight_kappa: log κ of each weight matrix (raw and, when parametrized, conditioned).
+        max_weight_kappa_size: skip the weight κ of layers whose (out, in·k) view has more than this many
+            singular values (min(out, in·k)), with a one-time warning per layer: a float64 SVD of a
+            1000×2048 head costs ~0.6 s per record on one CPU core, 2000×2000 ~2 s.
         effective_lr: log η/‖w‖² for scale-invariant layers (see ``metrics.scale_invariant_layers``).
         lanczos: log the extreme Hessian eigenvalues of all trainable parameters on a fixed probe batch.
         lanczos_iters: Lanczos steps (one Hessian-vector product each).
@@ -88,15 +97,16 @@ class ConditionNumberMonitor(Callback):
         self,
         *,
         every_n_steps: int = 500,
-        layers: Optional[list[str]] = None,
+        layers: Union[list[str], str, None] = None,
         kappa_d: bool = True,
         hessian_block: bool = True,
-        hessian_layers: Optional[list[str]] = None,
+        hessian_layers: Union[list[str], str, None] = None,
         neuron: int = 0,
         hessian_precision: Literal["float64", "model"] = "float64",
         hessian_rtol: Optional[float] = None,
         max_hessian_size: int = 1024,
         weight_kappa: bool = True,
+        max_weight_kappa_size: int = 512,
         effective_lr: bool = True,
         lanczos: bool = False,
         lanczos_iters: int = 20,
@@ -108,24 +118,25 @@ class ConditionNumberMonitor(Callback):
             ("every_n_steps", every_n_steps, 1),
             ("neuron", neuron, 0),
             ("max_hessian_size", max_hessian_size, 1),
+            ("max_weight_kappa_size", max_weight_kappa_size, 1),
             ("lanczos_iters", lanczos_iters, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}")
-        for name, patterns in (("layers", layers), ("hessian_layers", hessian_layers)):
-            if patterns is not None and not patterns:
-                raise ValueError(f"`{name}` must be None or a non-empty list of patterns, got []")
-        if hessian_precision not in ("float64", "model"):
-            raise ValueError(f"`hessian_precision` must be 'float64' or 'model', got {hessian_precision!r}")
-        if hessian_rtol is not None and not 0.0 < hessian_rtol < 1.0:
-            raise ValueError(f"`hessian_rtol` must be None or in (0, 1), got {hessian_rtol}")
-        steps = [0.5, 1.0, 2.0, 3.0, 4.0] if landscape_steps is None else list(landscape_steps)
-        if not steps or not all(math.isfinite(k) and k > 0 for k in steps):
-            raise ValueError(f"`landscape_steps` must be a non-empty list of finite numbers > 0, got {landscape_steps}")
-        if landscape_direction not in ("gradient", "preconditioned"):
-            raise ValueError(
-                f"`landscape_direction` must be 'gradient' or 'preconditioned', got {landscape_direction!r}"
-            )
+            check_int(name, value, low=low)
+        layers, hessian_layers = check_patterns("layers", layers), check_patterns("hessian_layers", hessian_layers)
+        for name, flag in (
+            ("kappa_d", kappa_d),
+            ("hessian_block", hessian_block),
+            ("weight_kappa", weight_kappa),
+            ("effective_lr", effective_lr),
+            ("lanczos", lanczos),
+            ("landscape", landscape),
+        ):
+            check_bool(name, flag)
+        check_choice("hessian_precision", hessian_precision, ("float64", "model"))
+        if hessian_rtol is not None:
+            hessian_rtol = check_float("hessian_rtol", hessian_rtol, low=0.0, high=1.0, low_open=True, high_open=True)
+        steps = [0.5, 1.0, 2.0, 3.0, 4.0] if landscape_steps is None else _step_multiples(landscape_steps)
+        check_choice("landscape_direction", landscape_direction, ("gradient", "preconditioned"))
         if not (kappa_d or hessian_block or weight_kappa or effective_lr or lanczos or landscape):
             raise ValueError("every metric is switched off (`kappa_d`, `hessian_block`, ...): nothing to log")
         self.every_n_steps, self.neuron = every_n_steps, neuron
@@ -133,6 +144,7 @@ class ConditionNumberMonitor(Callback):
         self.kappa_d, self.hessian_block, self.weight_kappa = kappa_d, hessian_block, weight_kappa
         self.hessian_precision, self.hessian_rtol = hessian_precision, hessian_rtol
         self.max_hessian_size, self.effective_lr = max_hessian_size, effective_lr
+        self.max_weight_kappa_size = max_weight_kappa_size
         self.lanczos, self.lanczos_iters = lanczos, lanczos_iters
         self.landscape, self.landscape_steps, self.landscape_direction = landscape, steps, landscape_direction
         self._bnp: BatchNormPreconditioning | None = None
@@ -199,7 +211,8 @@ class ConditionNumberMonitor(Callback):
         """Custom Scalars charts: a category per kind, a chart per layer overlaying its variants."""
         layout: dict[str, dict[str, list[str]]] = {}
         if self.kappa_d and pre is not None:
-            layout["bnp/kappa_D"] = {"κ(D), all BNP layers": [chart("bnp", "kappa_D")]}
+            layout["bnp/kappa_D"] = {"κ(D), raw statistics, all BNP layers": [chart("bnp", "kappa_D")]}
+            layout["bnp/kappa_D_floored"] = {"κ(D̃), floored σ̃, all BNP layers": [chart("bnp", "kappa_D_floored")]}
         if self.hessian_block:
             for kind in ("hessian_kappa", "hessian_min_ratio"):
                 layout[f"bnp/{kind}"] = {n: [chart("bnp", kind, n)] for n in self._hessian_names}
@@ -259,11 +272,25 @@ class ConditionNumberMonitor(Callback):
         with torch.no_grad():
             if self.kappa_d and pre is not None:
                 for name, layer in pre.layers.items():
-                    if name in self._layers:
-                        metrics[f"bnp/kappa_D/{name}"] = M.kappa_d(probes.statistics(pre, layer)[1])
+                    # a layer BNP did not transform in the latest step has no D (e.g. nn.MultiheadAttention's
+                    # out_proj, whose forward never runs): logging its initial σ² = 1 would read "κ = 1"
+                    if name in self._layers and layer.transform is not None:
+                        var, mu, rtol = probes.raw_statistics(pre, layer)
+                        metrics[f"bnp/kappa_D/{name}"] = M.kappa_d(var, mu, bias_entry=mu is not None, rtol=rtol)
+                        metrics[f"bnp/kappa_D_floored/{name}"] = M.sigma_ratio(layer.transform.var_t)
             if self.weight_kappa:
                 for name, module in self._layers.items():
-                    metrics[f"bnp/weight_kappa/{name}/raw"] = M.matrix_kappa(probes.trainable_weight(module))
+                    weight = probes.trainable_weight(module)
+                    size = min(weight.shape[0], weight[0].numel())  # singular values of the (out, in·k) view
+                    if size > self.max_weight_kappa_size:
+                        self._warn_once(
+                            f"weight_size:{name}",
+                            f"layer {name!r}: weight κ skipped, its (out, in·k) view has {size} singular values "
+                            f"> `max_weight_kappa_size`={self.max_weight_kappa_size} (an SVD of that size per record "
+                            "is too slow; raise the limit to log it)",
+                        )
+                        continue
+                    metrics[f"bnp/weight_kappa/{name}/raw"] = M.matrix_kappa(weight)
                     if parametrize.is_parametrized(module, "weight"):
                         metrics[f"bnp/weight_kappa/{name}/conditioned"] = M.matrix_kappa(module.weight)  # type: ignore[arg-type]
             lrs = probes.learning_rates(trainer, sgd_only=True)  # η/‖w‖² is (S)GD's effective rate (paper 002)
@@ -276,7 +303,7 @@ class ConditionNumberMonitor(Callback):
                         weight, bias, lrs[id(weight)], units
                     )
         if not self._captured:
-            return metrics
+            return self._finite(metrics)
         if self._probe_batch is None and self.lanczos:  # the fixed probe batch: the first one measured
             self._probe_batch = [c.cloned() for c in self._captured]
         with ExitStack() as stack:
@@ -292,7 +319,15 @@ class ConditionNumberMonitor(Callback):
                     metrics.update(self._lanczos_metrics(trainer, pl_module))
             except probes.NoLoss:
                 self._warn_once("no_loss", "`training_step` returned no loss tensor; probes skipped this step.")
-        return metrics
+        return self._finite(metrics)
+
+    def _finite(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Drop values that could not be computed (inf, NaN: e.g. the κ of a zero Hessian block, κ(D) with no
+        live unit, the κ of a singular weight), with a one-time warning per tag; loggers never see them."""
+        for tag, value in metrics.items():
+            if not math.isfinite(value):
+                self._warn_once(f"finite:{tag}", f"{tag} = {value} cannot be computed at this step; not logged.")
+        return {tag: value for tag, value in metrics.items() if math.isfinite(value)}
 
     def _hessian_metrics(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, pre: BNPPreconditioner | None
@@ -307,7 +342,11 @@ class ConditionNumberMonitor(Callback):
                 out, fan_in = int(module.weight.shape[0]), int(module.weight[0].numel())  # type: ignore[index]
                 bias = module.bias if isinstance(module.bias, Tensor) and module.bias.requires_grad else None
                 if fan_in + (bias is not None) > self.max_hessian_size:
-                    self._warn_once(f"size:{name}", f"layer {name!r}: neuron Hessian larger than `max_hessian_size`")
+                    self._warn_once(
+                        f"size:{name}",
+                        f"layer {name!r}: Hessian block skipped, its neuron has {fan_in + (bias is not None)} "
+                        f"parameters > `max_hessian_size`={self.max_hessian_size}",
+                    )
                     continue
                 if self.neuron >= out:
                     self._warn_once(f"neuron:{name}", f"`neuron`={self.neuron} >= {out} outputs of {name!r}: modulo")
@@ -376,5 +415,18 @@ class ConditionNumberMonitor(Callback):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _step_multiples(value: Any) -> list[float]:
+    """``landscape_steps`` as floats: a non-empty list of finite numbers > 0."""
+    message = f"`landscape_steps` must be a non-empty list of finite numbers > 0, got {value!r}"
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(message)
+    if not value:
+        raise ValueError(message)
+    try:
+        return [check_float("landscape_steps", k, low=0.0, low_open=True) for k in value]
+    except (TypeError, ValueError) as err:
+        raise type(err)(message) from None
+
+
 def _matches(name: str, patterns: list[str] | None) -> bool:
     return patterns is None or any(fnmatchcase(name, p) for p in patterns)

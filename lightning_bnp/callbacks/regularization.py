@@ -14,7 +14,9 @@ Without BNP, M = I and the callback acts on its own in that hook. Either way it 
 optimizer step on unscaled gradients (after accumulation and AMP unscaling, before clipping).
 
 Gradient regularization re-runs ``training_step`` on the step's batches (every accumulated
-micro-batch, with the RNG state each had, the loss divided as Lightning divides it) to form ∇²L·v:
+micro-batch, with the RNG state each had, the loss divided as Lightning divides it; a micro-batch
+whose ``training_step`` returns ``None`` is skipped, as Lightning skips its backward, and a step
+without any gradient gets no term) to form ∇²L·v:
 BNP statistics are paused and ``self.log`` is silenced meanwhile, so nothing is recorded twice;
 under DDP the product is averaged over ranks. Metric objects updated inside ``training_step`` are
 updated again by that re-run.
@@ -37,6 +39,7 @@ from typing_extensions import override
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core.preconditioner import BNPPreconditioner
 from lightning_bnp.core.regularization import HVPMethod, all_reduce_mean_, hessian_vector_product
+from lightning_bnp.core.validation import check_bool, check_choice, check_float
 
 __all__ = ["ZSpaceRegularization"]
 
@@ -61,7 +64,8 @@ class ZSpaceRegularization(Callback):
             (BatchNorm/LayerNorm/GroupNorm), as is usual for weight decay.
 
     Raises:
-        ValueError: an argument is out of range or both terms are off.
+        TypeError: an argument of the wrong type (e.g. a string for a float, a non-bool flag).
+        ValueError: an argument is out of range or not finite (``weight_decay=inf``), or both terms are off.
         RuntimeError: (at fit start) gradient regularization with manual optimization, or an
             optimizer that unscales AMP gradients inside ``step`` (decay would see scaled gradients).
 
@@ -80,17 +84,14 @@ class ZSpaceRegularization(Callback):
         fd_step: float = 1e-3,
         exclude_bias_and_norm: bool = True,
     ) -> None:
-        for name, value in (("weight_decay", weight_decay), ("gradient_penalty", gradient_penalty)):
-            if not value >= 0.0:
-                raise ValueError(f"`{name}` must be >= 0, got {value}")
+        weight_decay = check_float("weight_decay", weight_decay, low=0.0)
+        gradient_penalty = check_float("gradient_penalty", gradient_penalty, low=0.0)
         if weight_decay == 0.0 and gradient_penalty == 0.0:
             raise ValueError("`weight_decay` and `gradient_penalty` are both 0: the callback would do nothing")
-        if decay_space not in ("z", "p"):
-            raise ValueError(f"`decay_space` must be 'z' or 'p', got {decay_space!r}")
-        if hvp not in ("finite_difference", "double_backprop"):
-            raise ValueError(f"`hvp` must be 'finite_difference' or 'double_backprop', got {hvp!r}")
-        if not fd_step > 0.0:
-            raise ValueError(f"`fd_step` must be > 0, got {fd_step}")
+        check_choice("decay_space", decay_space, ("z", "p"))
+        check_choice("hvp", hvp, ("finite_difference", "double_backprop"))
+        fd_step = check_float("fd_step", fd_step, low=0.0, low_open=True)
+        check_bool("exclude_bias_and_norm", exclude_bias_and_norm)
         self.weight_decay, self.decay_space = weight_decay, decay_space
         self.gradient_penalty, self.fd_step = gradient_penalty, fd_step
         self.hvp: HVPMethod = hvp
@@ -181,6 +182,10 @@ class ZSpaceRegularization(Callback):
     ) -> None:
         """Add the regularization terms to the gradients, which already hold M·∇L."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:  # e.g. `training_step` returned None: Lightning ran no backward, nothing to add to
+            self._batches.clear()
+            self._raw_grads = {}
+            return
         transforms = pre.step_transforms(params) if pre is not None else {}
 
         def apply_m_(terms: dict[int, Tensor]) -> None:
@@ -231,9 +236,11 @@ class ZSpaceRegularization(Callback):
                     with trainer.precision_plugin.train_step_context():
                         out = pl_module.training_step(batch, batch_idx)
                 loss = out["loss"] if isinstance(out, dict) else out
+                if loss is None:  # a skipped micro-batch: Lightning ran no backward for it, so it adds nothing
+                    continue
                 if not isinstance(loss, Tensor):
                     raise RuntimeError(
-                        "ZSpaceRegularization(gradient_penalty>0) needs `training_step` to return the loss"
+                        "ZSpaceRegularization(gradient_penalty>0) needs `training_step` to return the loss or None"
                     )
                 total = total + loss / accumulate
             return total

@@ -45,6 +45,7 @@ from typing_extensions import override
 from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core.preconditioner import BNPPreconditioner
+from lightning_bnp.core.validation import check_int
 
 __all__ = ["TimingMonitor"]
 
@@ -112,6 +113,7 @@ class TimingMonitor(Callback):
             the previous record; 50 is Lightning's default ``log_every_n_steps``).
 
     Raises:
+        TypeError: ``every_n_steps`` is not an integer (or is a bool).
         ValueError: ``every_n_steps`` < 1.
 
     Example::
@@ -120,9 +122,7 @@ class TimingMonitor(Callback):
     """
 
     def __init__(self, *, every_n_steps: int = 50) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"`every_n_steps` must be an integer >= 1, got {every_n_steps!r}")
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, low=1)
         self._clock = _Clock(torch.device("cpu"))
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._wrapped: list[tuple[Callback, str]] = []

@@ -16,14 +16,16 @@ a no-op; a selected layer already equilibrated with another ``mode``/``eps`` is 
 
 .. math::
     W_{\\text{row}} = E_r W,\\qquad W_{\\text{col}} = W E_c,\\qquad
-    W_{\\text{row-col}} = (E_r W)\\, E_c(E_r W),\\qquad E = \\operatorname{diag}(1/\\max(\\|\\cdot\\|_2, ε))
+    W_{\\text{row-col}} = (E_r W)\\, E_c(E_r W),\\qquad E = \\operatorname{diag}(1/\\|\\cdot\\|_2)
+
+(a factor is 1 for a vector of norm ≤ ε)
 
 with the paper's W = ``weight.T`` (n_in, n_out): paper rows are PyTorch columns.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
 import torch
@@ -42,7 +44,6 @@ from lightning_bnp.core.conditioning import (
     validate_conditioning_arguments,
     zero_norm_count,
 )
-from lightning_bnp.core.selection import validate_layer_types
 
 __all__ = ["WeightConditioning"]
 
@@ -59,12 +60,15 @@ class WeightConditioning(Callback):
             layer).
         layer_types: layer classes to consider, from ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d``
             (default: all four).
-        include: glob patterns of module names to consider (default: every layer of those types).
-        exclude: glob patterns of module names to leave alone.
-        eps: ε > 0 in E = 1/max(‖·‖₂, ε); an all-zero vector stays zero and finite.
+        include: glob patterns of module names to consider (default: every layer of those types); a
+            bare string is one pattern (``include: net.0`` in YAML means ``["net.0"]``).
+        exclude: glob patterns of module names to leave alone (a bare string is one pattern).
+        eps: ε > 0: vectors of norm ≤ ε (all-zero ones) are left as they are, with an identity
+            Jacobian, so their gradient is unscaled; all others get unit norm.
 
     Raises:
-        ValueError: an argument is invalid; (at setup) a pattern matches no layer, nothing is selected,
+        TypeError: an argument of the wrong type (e.g. ``eps="1e-12"``, ``include=3``).
+        ValueError: an argument is invalid or not finite; (at setup) a pattern matches no layer, nothing is selected,
             or a layer is already equilibrated differently; (on checkpoint load) the checkpoint was
             written with another ``mode`` or other layers.
         RuntimeError: (at setup) an unsupported strategy or launcher.
@@ -81,16 +85,14 @@ class WeightConditioning(Callback):
         *,
         mode: Literal["row", "column", "row_column"] = "row",
         layers: Literal["all", "first_and_last"] = "all",
-        layer_types: Optional[list[str]] = None,
-        include: Optional[list[str]] = None,
-        exclude: Optional[list[str]] = None,
+        layer_types: Union[list[str], str, None] = None,
+        include: Union[list[str], str, None] = None,
+        exclude: Union[list[str], str, None] = None,
         eps: float = DEFAULT_EPS,
     ) -> None:
-        validate_conditioning_arguments(
+        self.layer_types, include, exclude = validate_conditioning_arguments(
             mode, layers, eps, DEFAULT_LAYER_TYPES if layer_types is None else layer_types, include, exclude
         )
-        self.layer_types = list(DEFAULT_LAYER_TYPES) if layer_types is None else list(layer_types)
-        validate_layer_types(self.layer_types)
         self.mode: Literal["row", "column", "row_column"] = mode
         self.layers: Literal["all", "first_and_last"] = layers
         self.include, self.exclude = include, exclude
@@ -155,7 +157,8 @@ class WeightConditioning(Callback):
             if zeros:
                 rank_zero_warn(
                     f"WeightConditioning: layer {name!r} has {zeros} all-zero weight vectors (e.g. zero "
-                    f"initialisation); they output 0 and their first gradient is scaled by 1/eps = {1 / self.eps:g}."
+                    "initialisation); they output 0 until an optimizer step gives them a nonzero gradient, "
+                    "which they receive unscaled, and are unit vectors from then on."
                 )
 
     @staticmethod

@@ -19,17 +19,23 @@ A convolution kernel (out, in/groups, *k) is equilibrated as the (out, in/groups
 "input feature" is one (input channel, kernel position) column of that 2-D view.
 
 .. math::
-    W_{\\text{row}} = E_r W,\\quad (E_r)_{ii} = \\frac{1}{\\max(\\|W_{i:}\\|_2, ε)}, \\qquad
-    W_{\\text{col}} = W E_c,\\quad (E_c)_{jj} = \\frac{1}{\\max(\\|W_{:j}\\|_2, ε)}
+    W_{\\text{row}} = E_r W,\\quad (E_r)_{ii} = \\frac{1}{\\|W_{i:}\\|_2}, \\qquad
+    W_{\\text{col}} = W E_c,\\quad (E_c)_{jj} = \\frac{1}{\\|W_{:j}\\|_2}
+    \\qquad (\\text{a factor is } 1 \\text{ where the norm is} \\le ε)
 
-Zero norms. The factors are 1/max(‖·‖₂, ε) (``clamp_min``, as ``torch.nn.functional.normalize``),
-not 1/(‖·‖₂ + ε): every vector with a norm above ε gets exactly unit norm, so the forward matches
-the paper's formula to rounding, and row or column equilibration is a projection (applying it to
-its own output changes nothing; row-column is one sweep: its paper columns are unit, its rows are
-not). An all-zero vector stays zero with finite values and gradients; its gradient is scaled by
-1/ε, so such a vector turns into a unit vector after the first optimizer step. Norms are taken in
-float32 at least (half/bfloat16 weights are upcast, then the result is cast back) and never under
-autocast.
+Zero norms. A vector with a norm above ε gets exactly unit norm (1/‖·‖₂, not 1/(‖·‖₂ + ε)), so the
+forward matches the paper's formula to rounding, and row or column equilibration is a projection
+(applying it to its own output changes nothing; row-column is one sweep: its paper columns are unit,
+its rows are not). A vector with norm ≤ ε (default 1e-12; in practice an all-zero vector, e.g. a
+zero-initialised head) is left as it is: its factor is 1 and its Jacobian the identity, so it
+outputs 0 and its gradient is the plain gradient at unit scale. One SGD step moves it to −η·ḡ, and
+from the next forward on it is a unit vector (as soon as a step gives it a nonzero gradient). The
+earlier factor 1/max(‖·‖₂, ε) scaled that first gradient by 1/ε = 1e12 — 1e24 through both sweeps of
+row-column, where the float32 squared norm of the resulting ``original`` overflowed and the
+conditioned weight stayed 0 for good. The factor is formed from the squared norm with the masked
+entries replaced before the square root, so first and second derivatives are finite at zero vectors.
+Norms are taken in float32 at least (half/bfloat16 weights are upcast, then the result is cast
+back) and never under autocast.
 
 Cost. Weights of at least :data:`FUSED_MIN_NUMEL` elements go through a custom autograd Function
 with the analytic backward (one weight-sized buffer per pass, norms over dim 0 as one GEMV); smaller
@@ -46,7 +52,6 @@ paper's Thm. 5.1 / Prop. 1 drop the √m: κ(E_r W) ≤ κ(W) holds for two rows
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, get_args
@@ -56,7 +61,8 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core.selection import select_layers
+from lightning_bnp.core.selection import select_layers, validate_layer_types
+from lightning_bnp.core.validation import check_choice, check_float, check_patterns
 
 __all__ = [
     "DEFAULT_EPS",
@@ -88,46 +94,46 @@ def validate_conditioning_arguments(
     layer_types: object = DEFAULT_LAYER_TYPES,
     include: object = None,
     exclude: object = None,
-) -> None:
+) -> tuple[list[str], list[str] | None, list[str] | None]:
     """Shared constructor checks; messages name the argument and the value.
 
+    Returns:
+        ``(layer_types, include, exclude)`` as lists; a bare string is one entry (one pattern).
+
     Raises:
-        ValueError: an unknown ``mode`` or ``layers``, ``eps`` not a finite number > 0, or
-            ``layer_types``/``include``/``exclude`` not a list of strings (a bare string would be
-            read one character at a time), or an empty ``include``/``exclude`` list.
+        TypeError: ``eps`` not a number (or a bool), or ``layer_types``/``include``/``exclude`` neither a
+            string nor a list of strings.
+        ValueError: an unknown ``mode``, ``layers`` or layer type, ``eps`` not a finite number > 0, or an
+            empty ``layer_types``/``include``/``exclude`` list.
     """
-    if mode not in MODES:
-        raise ValueError(f"`mode` must be one of {list(MODES)}, got {mode!r}")
-    if layers not in LAYER_CHOICES:
-        raise ValueError(f"`layers` must be one of {list(LAYER_CHOICES)}, got {layers!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0.0 and math.isfinite(eps)):
-        raise ValueError(f"`eps` must be a finite number > 0, got {eps!r}")
-    for arg, value in (("layer_types", layer_types), ("include", include), ("exclude", exclude)):
-        if value is None and arg != "layer_types":
-            continue
-        if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"`{arg}` must be a list of strings, got {value!r}")
-        if arg != "layer_types" and not value:
-            raise ValueError(f"`{arg}` must be None or a non-empty list of patterns, got []")
+    check_choice("mode", mode, MODES)
+    check_choice("layers", layers, LAYER_CHOICES)
+    check_float("eps", eps, low=0.0, low_open=True)
+    return validate_layer_types(layer_types), check_patterns("include", include), check_patterns("exclude", exclude)  # type: ignore[arg-type]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _norms(w: Tensor, dim: int) -> Tensor:
-    """‖·‖₂ along ``dim`` of the 2-D ``w`` (keepdim). Along dim 0 it is √(1ᵀ·(w∘w)), one GEMV: the
-    strided ``vector_norm(w, dim=0)`` costs about 4× more on CPU (ResNet-18: 11 vs 3 ms per pass)."""
-    if dim == 0:
-        return (w.new_ones(1, w.shape[0]) @ (w * w)).sqrt()
-    return torch.linalg.vector_norm(w, dim=1, keepdim=True)
-
-
 def _dots(a: Tensor, b: Tensor, dim: int) -> Tensor:
-    """Σ a∘b along ``dim`` of 2-D tensors (keepdim), as :func:`_norms`."""
+    """Σ a∘b along ``dim`` of 2-D tensors (keepdim). Along dim 0 it is 1ᵀ·(a∘b), one GEMV: the strided
+    ``vector_norm(w, dim=0)`` costs about 4× more on CPU (ResNet-18: 11 vs 3 ms per pass)."""
     if dim == 0:
         return a.new_ones(1, a.shape[0]) @ (a * b)
     return torch.linalg.vecdot(a, b, dim=1).unsqueeze(1)
+
+
+def _inverse_norm(sq: Tensor, eps: float) -> Tensor:
+    """s = 1/‖v‖ where ‖v‖ > ε, else 1, from the squared norms ``sq``: a vector of norm ≤ ε (e.g. all
+    zero) is left as it is, with an identity Jacobian, so its gradient is the plain gradient.
+
+    Not 1/max(‖v‖, ε): that scales a zero vector's gradient by 1/ε = 1e12, so one SGD step threw
+    ``original`` to ~1e10 (row) or, through the two sweeps of row-column, ~1e22, whose float32 squared
+    norm overflowed to inf and left the conditioned weight at exactly 0 for good. The masked entries
+    are replaced by 1 *before* the square root, so neither √0 nor 1/0 reaches autograd: first and
+    second derivatives stay finite at zero vectors."""
+    return torch.where(sq > eps * eps, sq, torch.ones_like(sq)).rsqrt()
 
 
 def _no_autocast(t: Tensor) -> AbstractContextManager[object]:
@@ -138,7 +144,7 @@ def _no_autocast(t: Tensor) -> AbstractContextManager[object]:
 
 
 class _Equilibrate(torch.autograd.Function):
-    """y = w·s, s = 1/max(‖w‖₂, ε) along ``dim`` of a 2-D float32/float64 ``w``, with the analytic VJP
+    """y = w·s, s = 1/‖w‖₂ (1 where ‖w‖₂ ≤ ε) along ``dim`` of a 2-D float32/float64 ``w``, with the analytic VJP
 
     .. math::
         \\bar w = s \\odot \\big(\\bar y - y \\odot \\textstyle\\sum_{dim}(\\bar y \\odot y)\\,[‖w‖ > ε]\\big)
@@ -154,13 +160,13 @@ class _Equilibrate(torch.autograd.Function):
         with _no_autocast(w):
             if dim == 0:  # w∘w goes into the buffer that then receives y: one weight-sized allocation
                 y = w * w
-                n = (w.new_ones(1, w.shape[0]) @ y).sqrt_()
+                sq = w.new_ones(1, w.shape[0]) @ y
             else:
-                n = torch.linalg.vector_norm(w, dim=1, keepdim=True)
-            s = n.clamp_min(eps).reciprocal()  # 1/max(n, ε): exactly unit norm above ε (see module doc)
+                sq = torch.linalg.vecdot(w, w, dim=1).unsqueeze(1)
+            s = _inverse_norm(sq, eps)  # exactly unit norm above ε, identity at or below (see module doc)
             y = torch.mul(w, s, out=y) if dim == 0 else w * s
         ctx.dim, ctx.eps = dim, eps
-        ctx.save_for_backward(w, y, s, n > eps)
+        ctx.save_for_backward(w, y, s, sq > eps * eps)
         return y
 
     @staticmethod
@@ -169,28 +175,28 @@ class _Equilibrate(torch.autograd.Function):
         dim = ctx.dim
         with _no_autocast(w):
             if torch.is_grad_enabled():  # create_graph: every factor as a differentiable function of w
-                n = _norms(w, dim)
-                s = n.clamp_min(ctx.eps).reciprocal()
+                sq = _dots(w, w, dim)
+                s = _inverse_norm(sq, ctx.eps)
                 y = w * s
-                return s * (grad_y - y * (_dots(grad_y, y, dim) * (n > ctx.eps))), None, None
+                return s * (grad_y - y * (_dots(grad_y, y, dim) * (sq > ctx.eps * ctx.eps))), None, None
             if dim == 0:  # ȳ∘y goes into the buffer that then receives w̄: one weight-sized allocation
                 grad_w = grad_y * y
                 t = w.new_ones(1, w.shape[0]) @ grad_w
             else:
                 grad_w = torch.empty_like(y)
                 t = torch.linalg.vecdot(grad_y, y, dim=1).unsqueeze(1)
-            t.mul_(above)  # per-vector Σ ȳ∘y, 0 where the norm is clamped (there ∂s/∂w = 0)
+            t.mul_(above)  # per-vector Σ ȳ∘y, 0 where the norm is ≤ ε (there s = 1, ∂s/∂w = 0)
             return torch.addcmul(grad_y, y, t, value=-1.0, out=grad_w).mul_(s), None, None
 
 
 def _scale_to_unit_norm(w: Tensor, dim: int, eps: float) -> Tensor:
-    """w·(1/max(‖w‖₂, ε)) along ``dim``: :class:`_Equilibrate` for weights of at least
+    """w/‖w‖₂ along ``dim`` (w itself where ‖w‖₂ ≤ ε): :class:`_Equilibrate` for weights of at least
     :data:`FUSED_MIN_NUMEL` elements, plain autograd ops below (there the custom Function's Python
     overhead, ~25 µs, outweighs its savings). Both compute the same formula, in the dtype of ``w``."""
     if w.numel() >= FUSED_MIN_NUMEL:
         return _Equilibrate.apply(w, dim, eps)
-    # vector_norm keeps the input dtype under autocast (not on its lower-precision lists)
-    return w * torch.linalg.vector_norm(w, dim=dim, keepdim=True).clamp_min(eps).reciprocal()
+    # mul and sum keep the input dtype under autocast (not on its lower-precision lists)
+    return w * _inverse_norm((w * w).sum(dim=dim, keepdim=True), eps)
 
 
 def equilibrate(weight: Tensor, mode: Mode = "row", eps: float = DEFAULT_EPS) -> Tensor:
@@ -201,7 +207,7 @@ def equilibrate(weight: Tensor, mode: Mode = "row", eps: float = DEFAULT_EPS) ->
         mode: ``"row"`` (paper E·W: unit norm per input feature, i.e. per column of the (out, in·k)
             view), ``"column"`` (paper W·E: unit norm per output neuron, i.e. per row of the view)
             or ``"row_column"`` (row, then column of the row-equilibrated matrix).
-        eps: floor of the norms, 1/max(‖·‖₂, ε).
+        eps: vectors of norm ≤ ``eps`` are left as they are (see the module docstring).
 
     Example::
 
@@ -281,8 +287,8 @@ def apply_weight_conditioning(
         mode: ``"row"``, ``"column"`` or ``"row_column"`` (see :func:`equilibrate`).
         layers: ``"all"`` or ``"first_and_last"``.
         layer_types: which of ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d`` to consider.
-        include: glob patterns of module names to condition.
-        exclude: glob patterns of module names to leave alone.
+        include: glob patterns of module names to condition (a bare string is one pattern).
+        exclude: glob patterns of module names to leave alone (a bare string is one pattern).
         eps: floor of the norms.
 
     Returns:
@@ -298,7 +304,7 @@ def apply_weight_conditioning(
         ...  # train
         bake_weight_conditioning(model)  # plain modules, same outputs
     """
-    validate_conditioning_arguments(mode, layers, eps, layer_types, include, exclude)
+    layer_types, include, exclude = validate_conditioning_arguments(mode, layers, eps, layer_types, include, exclude)
     try:
         selected = select_layers(model, layer_types, include, exclude)
     except ValueError as err:  # the shared helper names BNP as its client

@@ -1,7 +1,9 @@
 """Conditioning and landscape metrics in pure torch (paper 000 §3.3 and §5.1; paper 003 §3.2; paper 002 §2).
 
-* κ(D) = max σ̃ / min σ̃ (paper 000, eq. 12 with σ̃ of Alg. 2/3 step 3): the paper's predictor of the
-  gain, ``κ(Pᵀ∇²L P) ≈ κ(∇²L) / κ(D)²`` (§3.3 after Theorem 4, §5.1).
+* κ(D) with D = diag(1, σ)⁻¹ of the raw input statistics (paper 000, eq. 12; §5.1, Fig. 8 shows
+  1e2–1e5): the paper's predictor of the gain, ``κ(Pᵀ∇²L P) ≈ κ(∇²L) / κ(D)²`` (§3.3 after
+  Theorem 4) (:func:`kappa_d`); and max σ̃ / min σ̃ of BNP's floored σ̃ (:func:`sigma_ratio`), which
+  is at most √((1 + ε1)/ε1) by construction.
 * The exact Hessian of the loss with respect to one output neuron's ŵ = [b_i; w_i] (Prop. 2:
   ``∇²_ŵ L = Ĥᵀ S Ĥ``), and its preconditioned form ``Pᵀ ∇²_ŵ L P`` (Theorem 3) with
 
@@ -42,6 +44,7 @@ __all__ = [
     "neuron_hessians",
     "neuron_preconditioner",
     "scale_invariant_layers",
+    "sigma_ratio",
     "spectrum",
 ]
 
@@ -50,9 +53,43 @@ LossOf = Callable[[dict[str, Tensor]], Tensor]
 """The loss given tensors that replace the named ones (e.g. ``torch.func.functional_call`` on a model)."""
 
 
-def kappa_d(var_t: Tensor) -> float:
-    """κ(D) = max σ̃ / min σ̃ for σ̃² = ``var_t`` (computed in float64)."""
-    sigma = var_t.detach().double().sqrt()
+def kappa_d(var: Tensor, mu: Tensor | None = None, *, bias_entry: bool = True, rtol: float | None = None) -> float:
+    """The paper's κ(D) (paper 000, eq. 12; §5.1, Fig. 8): D = diag(1, σ)⁻¹ from the *raw* σ² of a
+    layer's input (no ε floors), so κ(D) = max|d| / min|d| over the entries d of the diagonal.
+
+    .. math::
+        D = \\begin{bmatrix} 1 & 0 \\\\ 0 & \\operatorname{diag}(σ) \\end{bmatrix}^{-1}, \\qquad
+        κ(D) = \\frac{\\max(1, 1/σ_{\\min})}{\\min(1, 1/σ_{\\max})}
+
+    Dead units are left out: unit j counts as dead when σ_j ≤ ``rtol``·max(σ_max, |μ_j|), i.e. when its
+    spread is below what statistics of that dtype resolve (a ReLU that never fires, a constant input);
+    its 1/σ_j would be infinite and its column of Ĥ is zero (Theorem 4 assumes full column rank).
+
+    Args:
+        var: σ² per input feature/channel (raw: not floored).
+        mu: μ per feature (only used to tell a constant input from a live one); ``None``: 0.
+        bias_entry: include D's leading 1 (the bias); ``False`` for a layer without a centring block.
+        rtol: the dead-unit threshold; default the machine epsilon of ``var``'s dtype.
+
+    Returns:
+        κ(D), or NaN when no unit is live (nothing to condition).
+    """
+    tol = torch.finfo(var.dtype).eps if rtol is None else rtol
+    sigma = var.detach().double().clamp_min(0.0).sqrt()
+    scale = torch.maximum(sigma.max(), mu.detach().double().abs()) if mu is not None else sigma.max()
+    live = sigma > tol * scale
+    if not bool(live.any()):
+        return math.nan
+    d = sigma[live].reciprocal()
+    if bias_entry:
+        d = torch.cat([d.new_ones(1), d])
+    return float(d.max() / d.min())
+
+
+def sigma_ratio(var: Tensor) -> float:
+    """max σ / min σ for σ² = ``var`` (float64). With BNP's floored σ̃² this is κ(D̃) = κ(diag(1/σ̃)),
+    bounded by √((1 + ε1)/ε1) ≈ 10.05 at ε1 = 1e-2 by construction."""
+    sigma = var.detach().double().sqrt()
     return float(sigma.max() / sigma.min())
 
 
@@ -137,6 +174,8 @@ def neuron_hessians(loss_of: LossOf, blocks: Sequence[NeuronBlock]) -> list[Tens
         loss_of: the loss given tensors that replace the named ones (keys of the blocks).
         blocks: the neurons.
     """
+    if not blocks:  # nothing to differentiate (``autograd.grad`` refuses an empty list of inputs)
+        return []
     thetas = [b.initial().clone().requires_grad_(True) for b in blocks]
     with torch.enable_grad():
         replaced: dict[str, Tensor] = {}

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core.selection import select_layers
+from lightning_bnp.core.selection import select_layers, validate_layer_types
 from lightning_bnp.core.statistics import (
     Moments,
     RunningStatistics,
@@ -48,6 +48,7 @@ from lightning_bnp.core.statistics import (
     updated_many,
 )
 from lightning_bnp.core.transform import precondition_, precondition_many_, q_squared, var_tilde_many
+from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_patterns
 
 __all__ = [
     "DEFAULT_LAYER_TYPES",
@@ -66,16 +67,34 @@ class BNPWarning(UserWarning):
     """Raised (once per layer) for managed layers that BNP cannot precondition in a step."""
 
 
-def validate_bnp_arguments(rho: float, eps1: float, eps2: float, statistics: str) -> None:
-    """Shared constructor checks; messages name the argument and the value."""
-    if not 0.0 <= rho < 1.0:
-        raise ValueError(f"`rho` must be in [0, 1), got {rho}")
-    if not eps1 > 0.0:
-        raise ValueError(f"`eps1` must be > 0, got {eps1}")
-    if not eps2 > 0.0:
-        raise ValueError(f"`eps2` must be > 0, got {eps2}")
-    if statistics not in ("running", "batch"):
-        raise ValueError(f"`statistics` must be 'running' or 'batch', got {statistics!r}")
+def validate_bnp_arguments(
+    rho: float,
+    eps1: float,
+    eps2: float,
+    statistics: str,
+    *,
+    bias_correction: bool = False,
+    layer_types: Sequence[str] | str = DEFAULT_LAYER_TYPES,
+    include: Sequence[str] | str | None = None,
+    exclude: Sequence[str] | str | None = None,
+    sync_statistics: bool = True,
+) -> tuple[list[str], list[str] | None, list[str] | None]:
+    """Shared constructor checks; messages name the argument and the value.
+
+    Returns:
+        ``(layer_types, include, exclude)`` as lists (a bare string is one entry).
+
+    Raises:
+        TypeError: an argument of the wrong type (a ``bool`` or string for a float, a non-bool flag).
+        ValueError: an argument out of range or not finite, or an empty pattern list.
+    """
+    check_float("rho", rho, low=0.0, high=1.0, high_open=True)
+    check_float("eps1", eps1, low=0.0, low_open=True)
+    check_float("eps2", eps2, low=0.0, low_open=True)
+    check_choice("statistics", statistics, ("running", "batch"))
+    check_bool("bias_correction", bias_correction)
+    check_bool("sync_statistics", sync_statistics)
+    return validate_layer_types(layer_types), check_patterns("include", include), check_patterns("exclude", exclude)
 
 
 @dataclass
@@ -155,14 +174,15 @@ class BNPPreconditioner:
             bias-corrected one diverges at the paper's learning rate on the CNN
             (``benchmarks/RESULTS.md`` §5).
         layer_types: which of ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d`` to manage.
-        include: glob patterns of layer names to manage (all when ``None``).
-        exclude: glob patterns of layer names to leave alone.
+        include: glob patterns of layer names to manage (all when ``None``); a bare string is one pattern.
+        exclude: glob patterns of layer names to leave alone (a bare string is one pattern).
         sync_statistics: under an initialised ``torch.distributed`` with several processes, pool
             the step's statistics over all ranks so that every rank applies the same P.
         process_group: the group to pool over (default: the world).
 
     Raises:
-        ValueError: for an argument outside its range or a pattern that matches no layer.
+        TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
+        ValueError: an argument outside its range or not finite, or a pattern that matches no layer.
 
     Example::
 
@@ -189,7 +209,19 @@ class BNPPreconditioner:
         sync_statistics: bool = True,
         process_group: Any = None,
     ) -> None:
-        validate_bnp_arguments(rho, eps1, eps2, statistics)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
+        layer_types, include, exclude = validate_bnp_arguments(
+            rho,
+            eps1,
+            eps2,
+            statistics,
+            bias_correction=bias_correction,
+            layer_types=layer_types,
+            include=include,
+            exclude=exclude,
+            sync_statistics=sync_statistics,
+        )
         self.rho, self.eps1, self.eps2 = rho, eps1, eps2
         self.statistics = statistics
         self.bias_correction = bias_correction

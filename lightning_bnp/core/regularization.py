@@ -59,12 +59,20 @@ def hessian_vector_product(
             to whatever is computed from the local batch, so the result is the global product.
 
     Returns:
-        The product, one tensor per parameter. The parameters are restored bit for bit.
+        The product, one tensor per parameter (an empty list for no parameters; zeros where the loss
+        does not depend on them, e.g. a constant loss). The parameters are restored bit for bit.
     """
     params = list(params)
+    if not params:
+        return []
     if method == "double_backprop":
         with torch.enable_grad():
-            grads = torch.autograd.grad(loss_fn(), params, create_graph=True, allow_unused=True)
+            loss = loss_fn()
+            grads = (
+                torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+                if loss.requires_grad
+                else [None] * len(params)
+            )
             dot = sum(((g * v).sum() for g, v in zip(grads, vectors) if g is not None), torch.zeros(()))
             hv = torch.autograd.grad(dot, params, allow_unused=True) if dot.requires_grad else [None] * len(params)
         product = [torch.zeros_like(p) if h is None else h.detach() for p, h in zip(params, hv)]
@@ -98,7 +106,8 @@ def hessian_vector_product(
 
 def _grads(loss_fn: Callable[[], Tensor], params: list[Tensor]) -> list[Tensor]:
     with torch.enable_grad():
-        grads = torch.autograd.grad(loss_fn(), params, allow_unused=True)
+        loss = loss_fn()
+        grads = torch.autograd.grad(loss, params, allow_unused=True) if loss.requires_grad else [None] * len(params)
     return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)]
 
 

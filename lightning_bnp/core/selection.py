@@ -7,6 +7,8 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from lightning_bnp.core.validation import check_patterns, check_str_list
+
 __all__ = ["SUPPORTED_LAYER_TYPES", "select_layers", "validate_layer_types"]
 
 SUPPORTED_LAYER_TYPES: dict[str, type[nn.Module]] = {
@@ -17,20 +19,27 @@ SUPPORTED_LAYER_TYPES: dict[str, type[nn.Module]] = {
 }
 
 
-def validate_layer_types(layer_types: Sequence[str]) -> None:
-    """Raise ``ValueError`` for an empty list or an unknown type name."""
+def validate_layer_types(layer_types: Sequence[str] | str) -> list[str]:
+    """The type names as a list (a bare string is one name).
+
+    Raises:
+        TypeError: not a string or a list of strings.
+        ValueError: an empty list or an unknown type name.
+    """
+    layer_types = check_str_list("layer_types", layer_types)
     if not layer_types:
         raise ValueError("`layer_types` must name at least one layer type, got []")
     unknown = [t for t in layer_types if t not in SUPPORTED_LAYER_TYPES]
     if unknown:
         raise ValueError(f"`layer_types` must be a subset of {sorted(SUPPORTED_LAYER_TYPES)}, got unknown {unknown}")
+    return layer_types
 
 
 def select_layers(
     model: nn.Module,
-    layer_types: Sequence[str],
-    include: Sequence[str] | None = None,
-    exclude: Sequence[str] | None = None,
+    layer_types: Sequence[str] | str,
+    include: Sequence[str] | str | None = None,
+    exclude: Sequence[str] | str | None = None,
 ) -> dict[str, nn.Module]:
     """Return ``{qualified_name: module}`` of the layers BNP should manage.
 
@@ -38,13 +47,16 @@ def select_layers(
     its name matches one of the ``include`` glob patterns (all names when ``None``), matches
     none of the ``exclude`` patterns. Frozen layers stay selected (they are skipped while they have
     no gradient, so unfreezing later works). Patterns use shell-style
-    wildcards on ``named_modules()`` names, e.g. ``"encoder.*"`` or ``"*.fc?"``.
+    wildcards on ``named_modules()`` names, e.g. ``"encoder.*"`` or ``"*.fc?"``; a bare string is one
+    pattern (``"net.0"`` means ``["net.0"]``).
 
     Raises:
+        TypeError: ``layer_types``, ``include`` or ``exclude`` is not a string or a list of strings.
         ValueError: a pattern in ``include`` or ``exclude`` matches no layer of a selected type,
             or nothing is left to manage.
     """
-    validate_layer_types(layer_types)
+    layer_types = validate_layer_types(layer_types)
+    include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
     types = tuple(SUPPORTED_LAYER_TYPES[t] for t in layer_types)
     candidates = {name: m for name, m in model.named_modules() if isinstance(m, types)}
     for arg, patterns in (("include", include), ("exclude", exclude)):

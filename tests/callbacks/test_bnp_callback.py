@@ -328,9 +328,9 @@ def test_refuses_weight_and_bias_in_different_optimizers(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"rho": 1.5}, r"`rho` must be in \[0, 1\), got 1.5"),
-        ({"eps1": -1.0}, r"`eps1` must be > 0, got -1.0"),
-        ({"eps2": 0.0}, r"`eps2` must be > 0, got 0.0"),
+        ({"rho": 1.5}, r"`rho` must be a finite number in \[0, 1\), got 1.5"),
+        ({"eps1": -1.0}, r"`eps1` must be a finite number > 0, got -1.0"),
+        ({"eps2": 0.0}, r"`eps2` must be a finite number > 0, got 0.0"),
         ({"statistics": "online"}, r"`statistics` must be 'running' or 'batch', got 'online'"),
         ({"layer_types": ["Dense"]}, r"unknown \['Dense'\]"),
         ({"include": []}, r"`include` must be None or a non-empty list of patterns, got \[\]"),

@@ -144,35 +144,47 @@ def test_logged_hessian_kappa_equals_proposition_2_on_the_last_layer(tmp_path: P
     expected = kappa(pmat.T @ hessian @ pmat)
     assert logged["bnp/hessian_kappa/network.2/preconditioned"][0][1] == pytest.approx(expected, rel=1e-5)
     sigma = var_tilde_ref(running.var).sqrt()
-    assert logged["bnp/kappa_D/network.2"][0][1] == pytest.approx(float(sigma.max() / sigma.min()), rel=1e-5)
+    assert logged["bnp/kappa_D_floored/network.2"][0][1] == pytest.approx(float(sigma.max() / sigma.min()), rel=1e-5)
+    d = torch.linalg.inv(torch.diag(torch.cat([torch.ones(1), running.var.sqrt()]).double()))  # eq. 12, raw σ
+    assert logged["bnp/kappa_D/network.2"][0][1] == pytest.approx(float(torch.linalg.cond(d)), rel=1e-5)
 
 
-def test_grouped_conv_neuron_uses_its_group_statistics(tmp_path: Path) -> None:
+@pytest.mark.parametrize("neuron", [1, 2, 3])
+def test_grouped_conv_neuron_uses_its_group_statistics(tmp_path: Path, neuron: int) -> None:
+    """Conv2d(4, 4, groups=2): output channels 0, 1 see input channels 0, 1 and outputs 2, 3 see 2, 3
+    (contiguous groups, as torch's conv). Neurons 1 and 2 tell contiguous from interleaved grouping
+    (i % groups), which a mutation of the group lookup showed neuron 3 alone does not."""
     data = make_data(shape=(2, 6, 6))
     bnp = BatchNormPreconditioning()
     model = BoringClassifier(make_cnn())
-    monitor = ConditionNumberMonitor(every_n_steps=1, neuron=3, hessian_layers=["network.2"])
+    monitor = ConditionNumberMonitor(every_n_steps=1, neuron=neuron, hessian_layers=["network.2"])
     trainer = _fit(tmp_path, model, data, batch_size=8, callbacks=[bnp, monitor], max_steps=1,
                    logger=TensorBoardLogger(tmp_path))  # fmt: skip
     logged = scalars(trainer)
     net = copy.deepcopy(model.network).double()
     x, y = data.tensors[0][:8].double(), data.tensors[1][:8]
-    conv = net[2]
+    conv, i = net[2], neuron
 
     def loss_of(w_hat: Tensor) -> Tensor:
-        w = torch.cat([conv.weight[:3].detach(), w_hat[1:].view(1, 2, 3, 3)])
-        b = torch.cat([conv.bias[:3].detach(), w_hat[:1]])
+        w0, b0 = conv.weight.detach(), conv.bias.detach()
+        w = torch.cat([w0[:i], w_hat[1:].view(1, 2, 3, 3), w0[i + 1 :]])
+        b = torch.cat([b0[:i], w_hat[:1], b0[i + 1 :]])
         z = nn.functional.conv2d(net[1](net[0](x)), w, b, stride=2, groups=2)
         return nn.functional.cross_entropy(net[5](net[4](net[3](z))), y)
 
-    w_hat0 = torch.cat([conv.bias[3:], conv.weight[3].reshape(-1)]).detach()
+    w_hat0 = torch.cat([conv.bias[i : i + 1], conv.weight[i].reshape(-1)]).detach()
     hessian = torch.autograd.functional.hessian(loss_of, w_hat0)
     running = bnp.preconditioner.layers["network.2"].running  # type: ignore[union-attr]
-    # output channel 3 is in group 1 and sees input channels 2, 3 (σ̃'s floor uses the max over all channels)
-    pmat = explicit_p(running.mu[2:], var_tilde_ref(running.var)[2:], kernel_volume=9)
+    # output channel i is in group i // 2 and sees input channels 2·(i // 2), 2·(i // 2) + 1
+    # (σ̃'s floor uses the max over all channels)
+    seen = slice(2 * (i // 2), 2 * (i // 2) + 2)
+    pmat = explicit_p(running.mu[seen], var_tilde_ref(running.var)[seen], kernel_volume=9)
     assert logged["bnp/hessian_kappa/network.2/original"][0][1] == pytest.approx(kappa(hessian), rel=1e-5)
     expected = kappa(pmat.T @ hessian @ pmat)
     assert logged["bnp/hessian_kappa/network.2/preconditioned"][0][1] == pytest.approx(expected, rel=1e-5)
+    other = slice(2 - seen.start, 4 - seen.start)  # the other group's channels give another κ
+    wrong = explicit_p(running.mu[other], var_tilde_ref(running.var)[other], kernel_volume=9)
+    assert kappa(wrong.T @ hessian @ wrong) != pytest.approx(expected, rel=1e-3)
 
 
 def run(tmp_path: Path, callbacks: list[Any]) -> tuple[Any, BatchNormPreconditioning, Any]:
@@ -228,7 +240,7 @@ def test_without_bnp_only_the_original_hessian_is_logged(tmp_path: Path) -> None
         ({"layers": []}, "`layers` must be None or a non-empty list"),
         ({"hessian_layers": []}, "`hessian_layers` must be None or a non-empty list"),
         ({"hessian_precision": "half"}, "`hessian_precision` must be 'float64' or 'model', got 'half'"),
-        ({"hessian_rtol": 1.0}, r"`hessian_rtol` must be None or in \(0, 1\), got 1.0"),
+        ({"hessian_rtol": 1.0}, r"`hessian_rtol` must be a finite number in \(0, 1\), got 1.0"),
         ({"landscape_steps": [1.0, -2.0]}, "`landscape_steps` must be a non-empty list of finite numbers > 0"),
         ({"landscape_direction": "up"}, "`landscape_direction` must be 'gradient' or 'preconditioned', got 'up'"),
         (
@@ -425,3 +437,112 @@ def test_weight_conditioning_layers_log_the_conditioned_kappa(tmp_path: Path) ->
         )
     assert math.isfinite(logged["bnp/hessian_kappa/network.2/preconditioned"][0][1])  # ŵ = the free parameter's row
     assert logged["timing/weight_conditioning_ms"][0][1] > 0  # E·W's forward, this package's transform
+
+
+def test_default_monitor_skips_layers_over_the_size_limits_instead_of_crashing(tmp_path: Path) -> None:
+    """Issue 15, item 5: a head with ≥ 1024 inputs (ResNet-50: 2048) crashed `fit` at step 1 with
+    "inputs argument to grad() cannot be empty"; the docs promise a skip with a warning. Weight κ has a
+    limit too (`max_weight_kappa_size`, min(out, in·k) singular values)."""
+    torch.manual_seed(0)
+    model = BoringClassifier(nn.Sequential(nn.Linear(1100, 520), nn.ReLU(), nn.Linear(520, 1100), nn.Linear(1100, 3)))
+    monitor = ConditionNumberMonitor(every_n_steps=1)  # defaults: max_hessian_size=1024, max_weight_kappa_size=512
+    with pytest.warns(UserWarning) as record:
+        trainer = _fit(tmp_path, model, make_data(n=32, shape=(1100,)), batch_size=16,
+                       callbacks=[BatchNormPreconditioning(), monitor], max_steps=2,
+                       logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    messages = [str(w.message) for w in record]
+    hessian_warning = [m for m in messages if "Hessian block skipped" in m]
+    assert hessian_warning == [
+        "ConditionNumberMonitor: layer 'network.3': Hessian block skipped, its neuron has 1101 parameters "
+        "> `max_hessian_size`=1024"
+    ]  # once, not per record
+    size_warnings = [m for m in messages if "weight κ skipped" in m]
+    assert len(size_warnings) == 2 and all("> `max_weight_kappa_size`=512" in m for m in size_warnings)
+    assert "'network.0'" in size_warnings[0] and "'network.2'" in size_warnings[1]  # 520 singular values each
+    logged = scalars(trainer)
+    assert not [tag for tag in logged if "hessian" in tag]
+    assert {"bnp/weight_kappa/network.3/raw"} == {tag for tag in logged if "weight_kappa" in tag}
+    assert [s for s, _ in logged["bnp/weight_kappa/network.3/raw"]] == [0, 1]
+
+
+def test_neuron_hessians_of_no_block_is_empty() -> None:
+    from lightning_bnp.core import metrics as M
+
+    assert M.neuron_hessians(lambda replaced: torch.zeros(()), []) == []
+
+
+class SideBranch(nn.Module):
+    """A Linear whose forward never runs (its weight is used through F.linear, like
+    nn.MultiheadAttention.out_proj): BNP never transforms it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(5, 3)
+        self.out_proj = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(self.body(x), self.out_proj.weight, self.out_proj.bias)
+
+
+def test_kappa_d_is_the_papers_d_of_the_raw_statistics(tmp_path: Path) -> None:
+    """Issue 14, item 2: κ(D) was built from σ̃, so it was pinned at ≤ √((1 + ε1)/ε1) ≈ 10.05. With inputs
+    scaled 1e-2…1e2 the paper's D = diag(1, σ)⁻¹ (eq. 12) has κ ≈ 1e4; the floored value keeps its own tag.
+    A layer BNP never transformed logs no κ(D)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 5, generator=g) * torch.tensor([1e-2, 1e-1, 1.0, 1e1, 1e2]) + 0.3
+    data = torch.utils.data.TensorDataset(x, torch.randint(0, 3, (32,), generator=g))
+    model = BoringClassifier(SideBranch())
+    with pytest.warns(UserWarning, match="out_proj"):  # BNP's own warning: its forward never ran
+        callbacks = [BatchNormPreconditioning(), ConditionNumberMonitor(every_n_steps=1)]
+        trainer = _fit(tmp_path, model, data, batch_size=16, callbacks=callbacks, max_steps=2,
+                       logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    assert not [tag for tag in logged if "out_proj" in tag and "kappa_D" in tag]  # was 1.0 ("perfectly conditioned")
+    # step 1's running σ² (bias-corrected, ρ = 0.99) from the two batches, independently of the package
+    var = [x[i : i + 16].double().var(0, unbiased=False) for i in (0, 16)]
+    v1 = (0.99 * 0.01 * var[0] + 0.01 * var[1]) / (1 - 0.99**2)  # σ² ← ρσ² + (1 − ρ)σ²_H, / (1 − ρ²)
+    for step, v in ((0, var[0]), (1, v1)):
+        d = torch.diag(torch.cat([torch.ones(1, dtype=torch.float64), v.rsqrt()]))
+        kappa_d = logged["bnp/kappa_D/network.body"][step][1]
+        assert kappa_d == pytest.approx(float(torch.linalg.cond(d)), rel=1e-4) and kappa_d > 100
+        floored = v + 1e-2 * v.max() + 1e-4
+        assert logged["bnp/kappa_D_floored/network.body"][step][1] == pytest.approx(
+            float((floored.max() / floored.min()).sqrt()), rel=1e-4
+        )
+        assert logged["bnp/kappa_D_floored/network.body"][step][1] <= (1.01 / 0.01) ** 0.5
+
+
+def test_kappa_d_with_batch_statistics(tmp_path: Path) -> None:
+    """statistics='batch': D from this step's σ²_H, recovered from the float32 σ̃² by undoing the floor, which
+    resolves σ_j ≳ 3.5e-4·σ_max (here σ spans 1e-1…1e1)."""
+    x = torch.randn(16, 5, generator=torch.Generator().manual_seed(1)) * torch.tensor([1e-1, 1.0, 3.0, 5.0, 1e1])
+    data = torch.utils.data.TensorDataset(x, torch.zeros(16, dtype=torch.long))
+    model = BoringClassifier(nn.Sequential(nn.Linear(5, 3)))
+    callbacks = [BatchNormPreconditioning(statistics="batch"), ConditionNumberMonitor(every_n_steps=1)]
+    trainer = _fit(tmp_path, model, data, batch_size=16, callbacks=callbacks, max_steps=1,
+                   logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    sigma = x.double().std(0, unbiased=False)
+    d = torch.diag(torch.cat([torch.ones(1, dtype=torch.float64), 1 / sigma]))
+    assert scalars(trainer)["bnp/kappa_D/network.0"][0][1] == pytest.approx(float(torch.linalg.cond(d)), rel=1e-3)
+
+
+class LinearLoss(BoringClassifier):
+    """A loss linear in the last layer's parameters: its Hessian block is zero, so κ = inf, λ_min/max|λ| = NaN."""
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self(batch[0]).mean()
+
+
+def test_values_that_cannot_be_computed_are_not_logged(tmp_path: Path) -> None:
+    """Issue 14, item 2: cnn_cifar logged hessian_kappa = inf and hessian_min_ratio = NaN."""
+    monitor = ConditionNumberMonitor(every_n_steps=1)
+    with pytest.warns(UserWarning) as record:
+        trainer = _fit(tmp_path, LinearLoss(tanh_net()), make_data(), batch_size=16, max_steps=2,
+                       callbacks=[BatchNormPreconditioning(), monitor], logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    assert all(math.isfinite(v) for values in logged.values() for _, v in values)
+    assert "bnp/hessian_rank/network.2" in logged and logged["bnp/hessian_rank/network.2"][0][1] == 0.0
+    assert not [tag for tag in logged if "hessian_kappa" in tag or "hessian_min_ratio" in tag]
+    skipped = [str(w.message) for w in record if "cannot be computed" in str(w.message)]
+    assert len(skipped) == 4 and len(set(skipped)) == 4  # once per tag, not per record

@@ -220,17 +220,71 @@ def test_decay_works_with_manual_optimization(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"weight_decay": -0.1}, r"`weight_decay` must be >= 0, got -0.1"),
-        ({"gradient_penalty": -1.0}, r"`gradient_penalty` must be >= 0, got -1.0"),
+        ({"weight_decay": -0.1}, r"`weight_decay` must be a finite number >= 0, got -0.1"),
+        ({"gradient_penalty": -1.0}, r"`gradient_penalty` must be a finite number >= 0, got -1.0"),
         ({}, r"`weight_decay` and `gradient_penalty` are both 0"),
         ({"weight_decay": 0.1, "decay_space": "w"}, r"`decay_space` must be 'z' or 'p', got 'w'"),
         (
             {"gradient_penalty": 0.1, "hvp": "exact"},
             r"`hvp` must be 'finite_difference' or 'double_backprop', got 'exact'",
         ),
-        ({"gradient_penalty": 0.1, "fd_step": 0.0}, r"`fd_step` must be > 0, got 0.0"),
+        ({"gradient_penalty": 0.1, "fd_step": 0.0}, r"`fd_step` must be a finite number > 0, got 0.0"),
     ],
 )
 def test_invalid_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ZSpaceRegularization(**kwargs)
+
+
+class SkippingClassifier(BoringClassifier):
+    """``training_step`` returns None (Lightning: skip the batch) or, with ``zero=True``, 0·loss on ``skip``."""
+
+    def __init__(self, network: nn.Module, skip: set[int], zero: bool = False) -> None:
+        super().__init__(network, lr=LR)
+        self.skip, self.zero = skip, zero
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx in self.skip:
+            return loss * 0.0 if self.zero else None
+        return loss
+
+
+def _params(model: BoringClassifier) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.network.parameters()])
+
+
+@pytest.mark.parametrize("hvp", ["double_backprop", "finite_difference"])
+@pytest.mark.parametrize("bnp", [False, True])
+def test_gradient_penalty_skips_steps_whose_training_step_returns_none(tmp_path: Path, hvp: str, bnp: bool) -> None:
+    """Issue 15, item 7: IndexError (double backprop) / "stack expects a non-empty TensorList" (finite
+    difference) when `training_step` returned None. A skipped step adds no term (it has no gradient);
+    the run equals one on the other batches alone."""
+
+    def callbacks() -> list[Any]:
+        reg = ZSpaceRegularization(gradient_penalty=0.5, weight_decay=0.01, hvp=hvp)  # type: ignore[arg-type]
+        return [reg, BatchNormPreconditioning()] if bnp else [reg]
+
+    data = make_data(n=4 * BATCH)
+    model = SkippingClassifier(make_net(), skip={0, 2})
+    _fit(tmp_path, model, data, batch_size=BATCH, callbacks=callbacks(), max_steps=4)
+    kept = torch.utils.data.TensorDataset(*(torch.cat([t[BATCH : 2 * BATCH], t[3 * BATCH :]]) for t in data.tensors))
+    reference = SkippingClassifier(make_net(), skip=set())
+    _fit(tmp_path, reference, kept, batch_size=BATCH, callbacks=callbacks(), max_steps=2)
+    torch.testing.assert_close(_params(model), _params(reference))
+
+
+@pytest.mark.parametrize("hvp", ["double_backprop", "finite_difference"])
+def test_gradient_penalty_skips_a_none_micro_batch_under_accumulation(tmp_path: Path, hvp: str) -> None:
+    """A micro-batch returning None contributes nothing to ∇L nor to ∇²L·v: same step as 0·loss for it
+    (which leaves BNP's statistics, gathered by the forward pass, the same too)."""
+    results = []
+    for zero in (False, True):
+        model = SkippingClassifier(make_net(), skip={0}, zero=zero)
+        reg = ZSpaceRegularization(gradient_penalty=0.5, hvp=hvp)  # type: ignore[arg-type]
+        _fit(tmp_path, model, make_data(n=2 * BATCH), batch_size=BATCH, callbacks=[reg, BatchNormPreconditioning()],
+             max_steps=1, accumulate_grad_batches=2)  # fmt: skip
+        results.append(_params(model))
+    torch.testing.assert_close(results[0], results[1])
+    assert not torch.equal(results[0], _params(SkippingClassifier(make_net(), skip=set())))  # it did train

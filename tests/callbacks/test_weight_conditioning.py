@@ -52,11 +52,9 @@ def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
     ("kwargs", "match"),
     [
         ({"mode": "rows"}, r"`mode` must be one of \['row', 'column', 'row_column'\], got 'rows'"),
-        ({"layers": "last"}, r"`layers` must be one of \['all', 'first_and_last'\], got 'last'"),
+        ({"layers": "last"}, r"`layers` must be 'all' or 'first_and_last', got 'last'"),
         ({"eps": -1.0}, r"`eps` must be a finite number > 0, got -1.0"),
         ({"eps": float("nan")}, r"`eps` must be a finite number > 0, got nan"),
-        ({"include": "conv*"}, r"`include` must be a list of strings, got 'conv\*'"),
-        ({"exclude": ["fc", 3]}, r"`exclude` must be a list of strings, got \['fc', 3\]"),
         ({"layer_types": []}, r"`layer_types` must name at least one layer type, got \[\]"),
         ({"layer_types": ["Conv4d"]}, r"`layer_types` must be a subset of .* got unknown \['Conv4d'\]"),
         ({"include": []}, r"`include` must be None or a non-empty list of patterns, got \[\]"),

@@ -48,7 +48,33 @@ def test_matrix_and_d_kappa() -> None:
     w = torch.randn(4, 3, 2, 2)
     s = torch.linalg.svdvals(w.reshape(4, 12).double())
     assert M.matrix_kappa(w) == pytest.approx(float(s[0] / s[-1]))
-    assert M.kappa_d(torch.tensor([4.0, 1.0, 0.25])) == pytest.approx(4.0)
+    assert M.sigma_ratio(torch.tensor([4.0, 1.0, 0.25])) == pytest.approx(4.0)
+
+
+def explicit_kappa_of_d(sigma: list[float], bias: bool) -> float:
+    """κ₂ of the explicit matrix D = diag(1, σ)⁻¹ (paper 000, eq. 12) by its singular values."""
+    entries = ([1.0] if bias else []) + sigma
+    d = torch.linalg.inv(torch.diag(torch.tensor(entries, dtype=torch.float64)))
+    s = torch.linalg.svdvals(d)
+    return float(s[0] / s[-1])
+
+
+@pytest.mark.parametrize("sigma", [[2.0, 1.0, 0.5], [1e-2, 1e-1, 1.0, 10.0, 100.0], [3.0, 5.0], [0.2, 0.4], [7.0]])
+@pytest.mark.parametrize("bias", [True, False])
+def test_kappa_d_is_the_condition_number_of_the_papers_d(sigma: list[float], bias: bool) -> None:
+    var = torch.tensor(sigma, dtype=torch.float64).square()
+    assert M.kappa_d(var, bias_entry=bias) == pytest.approx(explicit_kappa_of_d(sigma, bias), rel=1e-12)
+    # not bounded like the floored κ(D̃): inputs scaled 1e-2…1e2 give 1e4 (paper §5.1: 1e2–1e5)
+    if len(sigma) == 5:
+        assert M.kappa_d(var) == pytest.approx(1e4)
+
+
+def test_kappa_d_leaves_out_dead_units() -> None:
+    var = torch.tensor([4.0, 0.0, 0.25, 1e-20])  # unit 1: never fires; unit 3: a constant 3.0 with rounding
+    mu = torch.tensor([1.0, 0.0, 0.5, 3.0])
+    assert M.kappa_d(var, mu) == pytest.approx(explicit_kappa_of_d([2.0, 0.5], True))
+    assert math.isnan(M.kappa_d(torch.zeros(3)))  # nothing live: cannot be computed
+    assert M.kappa_d(torch.tensor([1.0, 1e-6]), rtol=1e-2) == pytest.approx(1.0)  # 1e-3 ≤ 1e-2·1: dead
 
 
 @settings(max_examples=25, deadline=None)

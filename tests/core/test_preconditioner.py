@@ -288,10 +288,10 @@ def test_state_dict_round_trip_and_mismatch() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"rho": 1.0}, r"`rho` must be in \[0, 1\), got 1.0"),
-        ({"rho": -0.1}, r"`rho` must be in \[0, 1\), got -0.1"),
-        ({"eps1": 0.0}, r"`eps1` must be > 0, got 0.0"),
-        ({"eps2": -1e-4}, r"`eps2` must be > 0, got -0.0001"),
+        ({"rho": 1.0}, r"`rho` must be a finite number in \[0, 1\), got 1.0"),
+        ({"rho": -0.1}, r"`rho` must be a finite number in \[0, 1\), got -0.1"),
+        ({"eps1": 0.0}, r"`eps1` must be a finite number > 0, got 0.0"),
+        ({"eps2": -1e-4}, r"`eps2` must be a finite number > 0, got -0.0001"),
         ({"statistics": "ema"}, r"`statistics` must be 'running' or 'batch', got 'ema'"),
         ({"layer_types": ["Linear", "Conv4d"]}, r"`layer_types` must be a subset of .* unknown \['Conv4d'\]"),
         ({"layer_types": []}, r"`layer_types` must name at least one layer type, got \[\]"),

@@ -64,3 +64,11 @@ def test_unknown_method() -> None:
     net, x, _ = small_problem()
     with pytest.raises(ValueError, match="`method` must be 'finite_difference' or 'double_backprop', got 'lanczos'"):
         hessian_vector_product(lambda: net(x).sum(), list(net.parameters()), [], method="lanczos")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("method", ["double_backprop", "finite_difference"])
+def test_no_parameters_and_a_constant_loss_give_an_empty_and_a_zero_product(method: str) -> None:
+    assert hessian_vector_product(lambda: torch.zeros(()), [], [], method=method) == []  # type: ignore[arg-type]
+    p = torch.ones(3, requires_grad=True)
+    (hv,) = hessian_vector_product(lambda: torch.zeros(()), [p], [torch.ones(3)], method=method)  # type: ignore[arg-type]
+    assert torch.equal(hv, torch.zeros(3))
