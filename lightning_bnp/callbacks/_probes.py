@@ -184,10 +184,12 @@ def statistics(pre: BNPPreconditioner, layer: _Layer) -> tuple[Tensor, Tensor]:
 
 
 def raw_statistics(pre: BNPPreconditioner, layer: _Layer) -> tuple[Tensor, Tensor | None, float | None]:
-    """(σ², μ, rtol) of the P that BNP's latest step applied to ``layer``, *before* the ε floors (for the
+    """(σ², μ, rtol) of ``layer``'s input as BNP's latest step saw it, *before* the ε floors (for the
     paper's κ(D)); μ is ``None`` without a centring block. Call only when ``layer.transform`` is set.
 
-    ``statistics="running"``: the running σ² and μ, which after the step are exactly those the step used.
+    ``statistics="running"``: the running averages of the batch statistics, bias-corrected whatever
+    ``bias_correction`` is (:meth:`RunningStatistics.data_view`): with the paper's start, the σ² that P
+    uses carries the initial σ² = 1 with weight ρ^t, which is not a variance of the activations.
     ``statistics="batch"``: the batch σ²_H is not stored, so it is recovered from σ̃² by undoing step 3,
     σ² = σ̃² − ε1·max σ² − ε2 with max σ² = (max σ̃² − ε2)/(1 + ε1), in float64. σ̃² is float32, so
     σ_j below ≈ √(eps₃₂·(1 + ε1))·σ_max ≈ 3.5e-4·σ_max is not resolved: the returned ``rtol`` makes
@@ -196,7 +198,8 @@ def raw_statistics(pre: BNPPreconditioner, layer: _Layer) -> tuple[Tensor, Tenso
     transform = layer.transform
     assert transform is not None
     if pre.statistics == "running":
-        return layer.running.var, transform.mu, None
+        mu, var = layer.running.data_view()
+        return var, mu if transform.mu is not None else None, None
     var_t = transform.var_t.double()
     top = (var_t.max() - pre.eps2) / (1.0 + pre.eps1)
     var = (var_t - pre.eps1 * top - pre.eps2).clamp_min(0.0)

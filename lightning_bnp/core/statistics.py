@@ -173,6 +173,15 @@ class RunningStatistics:
         scale, shift = self.view_coefficients(steps)
         return mean_acc * scale, var_acc * scale + shift
 
+    def data_view(self) -> tuple[Tensor, Tensor]:
+        """(μ, σ²) of the data alone, m_t / (1 − ρ^t) and v_t / (1 − ρ^t), whichever view P uses: the
+        exponentially weighted averages of the batch statistics without the paper's initial μ = 0,
+        σ² = 1 (the activations' statistics that the paper's κ(D) describes). (0, 1) before any update."""
+        if self.steps == 0:
+            return torch.zeros_like(self.mean_acc), torch.ones_like(self.var_acc)
+        scale = 1.0 / (1.0 - self.rho**self.steps)
+        return self.mean_acc * scale, self.var_acc * scale
+
     @property
     def mu(self) -> Tensor:
         return self.view(self.mean_acc, self.var_acc, self.steps)[0]

@@ -145,7 +145,12 @@ def test_logged_hessian_kappa_equals_proposition_2_on_the_last_layer(tmp_path: P
     assert logged["bnp/hessian_kappa/network.2/preconditioned"][0][1] == pytest.approx(expected, rel=1e-5)
     sigma = var_tilde_ref(running.var).sqrt()
     assert logged["bnp/kappa_D_floored/network.2"][0][1] == pytest.approx(float(sigma.max() / sigma.min()), rel=1e-5)
-    d = torch.linalg.inv(torch.diag(torch.cat([torch.ones(1), running.var.sqrt()]).double()))  # eq. 12, raw σ
+    # eq. 12 with the raw σ of the activations: the running average of the batch σ² without the paper's
+    # initial σ² = 1 (after one step exactly the batch's σ²_H), even though P itself still carries it
+    initial = tanh_net().double()  # step 0's batch statistics are of the input under the initial weights
+    with torch.no_grad():
+        var_h = initial[1](initial[0](x)).var(0, unbiased=False)
+    d = torch.linalg.inv(torch.diag(torch.cat([torch.ones(1), var_h.sqrt()]).double()))
     assert logged["bnp/kappa_D/network.2"][0][1] == pytest.approx(float(torch.linalg.cond(d)), rel=1e-5)
 
 
@@ -484,16 +489,18 @@ class SideBranch(nn.Module):
         return nn.functional.linear(self.body(x), self.out_proj.weight, self.out_proj.bias)
 
 
-def test_kappa_d_is_the_papers_d_of_the_raw_statistics(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_kappa_d_is_the_papers_d_of_the_raw_statistics(tmp_path: Path, bias_correction: bool) -> None:
     """Issue 14, item 2: κ(D) was built from σ̃, so it was pinned at ≤ √((1 + ε1)/ε1) ≈ 10.05. With inputs
     scaled 1e-2…1e2 the paper's D = diag(1, σ)⁻¹ (eq. 12) has κ ≈ 1e4; the floored value keeps its own tag.
-    A layer BNP never transformed logs no κ(D)."""
+    κ(D) describes the activations (the bias-corrected running σ², whichever start P uses); the floored
+    value is what P divides by. A layer BNP never transformed logs no κ(D)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 5, generator=g) * torch.tensor([1e-2, 1e-1, 1.0, 1e1, 1e2]) + 0.3
     data = torch.utils.data.TensorDataset(x, torch.randint(0, 3, (32,), generator=g))
     model = BoringClassifier(SideBranch())
     with pytest.warns(UserWarning, match="out_proj"):  # BNP's own warning: its forward never ran
-        callbacks = [BatchNormPreconditioning(), ConditionNumberMonitor(every_n_steps=1)]
+        callbacks = [BatchNormPreconditioning(bias_correction=bias_correction), ConditionNumberMonitor(every_n_steps=1)]
         trainer = _fit(tmp_path, model, data, batch_size=16, callbacks=callbacks, max_steps=2,
                        logger=TensorBoardLogger(tmp_path))  # fmt: skip
     logged = scalars(trainer)
@@ -501,11 +508,15 @@ def test_kappa_d_is_the_papers_d_of_the_raw_statistics(tmp_path: Path) -> None:
     # step 1's running σ² (bias-corrected, ρ = 0.99) from the two batches, independently of the package
     var = [x[i : i + 16].double().var(0, unbiased=False) for i in (0, 16)]
     v1 = (0.99 * 0.01 * var[0] + 0.01 * var[1]) / (1 - 0.99**2)  # σ² ← ρσ² + (1 − ρ)σ²_H, / (1 − ρ²)
-    for step, v in ((0, var[0]), (1, v1)):
+    # what P uses: the same, or the paper's view, which keeps the initial σ² = 1 with weight ρ^t
+    applied = (
+        (var[0], v1) if bias_correction else (0.01 * var[0] + 0.99, 0.99 * 0.01 * var[0] + 0.01 * var[1] + 0.99**2)
+    )
+    for step, v, p_var in ((0, var[0], applied[0]), (1, v1, applied[1])):
         d = torch.diag(torch.cat([torch.ones(1, dtype=torch.float64), v.rsqrt()]))
         kappa_d = logged["bnp/kappa_D/network.body"][step][1]
         assert kappa_d == pytest.approx(float(torch.linalg.cond(d)), rel=1e-4) and kappa_d > 100
-        floored = v + 1e-2 * v.max() + 1e-4
+        floored = p_var + 1e-2 * p_var.max() + 1e-4
         assert logged["bnp/kappa_D_floored/network.body"][step][1] == pytest.approx(
             float((floored.max() / floored.min()).sqrt()), rel=1e-4
         )

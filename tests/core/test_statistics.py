@@ -84,6 +84,24 @@ def test_pack_round_trip() -> None:
     torch.testing.assert_close(back.m2, m.m2)
 
 
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_data_view_is_the_bias_corrected_average_whichever_view_p_uses(bias_correction: bool) -> None:
+    rho = 0.9
+    stats = RunningStatistics(2, rho=rho, bias_correction=bias_correction, device=torch.device("cpu"))
+    torch.testing.assert_close(stats.data_view()[1], torch.ones(2))  # before any update: the paper's σ² = 1
+    batches = [
+        (torch.tensor([1.0, -2.0]), torch.tensor([0.5, 4.0])),
+        (torch.tensor([3.0, 0.0]), torch.tensor([2.5, 1.0])),
+    ]
+    for mu_h, var_h in batches:
+        stats.assign(*stats.updated(mu_h, var_h))
+    # Σ (1 − ρ) ρ^(t−k) x_k / (1 − ρ^t): the weights 0.09 and 0.1 of the two batches, normalised
+    weights = torch.tensor([rho * (1 - rho), 1 - rho]) / (1 - rho**2)
+    mu, var = stats.data_view()
+    torch.testing.assert_close(mu, weights[0] * batches[0][0] + weights[1] * batches[1][0])
+    torch.testing.assert_close(var, weights[0] * batches[0][1] + weights[1] * batches[1][1])
+
+
 def test_running_paper_view_is_the_recurrence_from_mu0_var1() -> None:
     rho = 0.9
     stats = RunningStatistics(2, rho=rho, bias_correction=False, device=torch.device("cpu"))
