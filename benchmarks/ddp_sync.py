@@ -34,7 +34,7 @@ CASES = [("FC 3×100", 16), ("FC 3×100", 256), ("CNN 5-layer", 2), ("CNN 5-laye
 def time_steps(model: nn.Module, pre: BNPPreconditioner, batch: int, steps: int) -> float:
     """Median seconds per training step (forward, backward with all-reduce, BNP, SGD)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.rand(batch, 1, 8, 8), torch.randint(0, 10, (batch,))
+    x, y = torch.rand(batch, 1, 28, 28), torch.randint(0, 10, (batch,))  # MNIST-sized
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -53,16 +53,19 @@ def worker(rank: int, world: int, steps: int, rounds: int, port: int) -> None:
     rows = []
     for name, batch in CASES:
         torch.manual_seed(0)
-        net = fc_network() if name.startswith("FC") else cnn5()
+        net = fc_network(28 * 28) if name.startswith("FC") else cnn5(1, 28)
         model = DistributedDataParallel(net)
         pre_on = BNPPreconditioner(net, sync_statistics=True)
+        pre_on.detach()  # one attached preconditioner per model at a time
         pre_off = BNPPreconditioner(net, sync_statistics=False)
         on, off = [], []
         for _ in range(rounds):  # interleave: drift hits both variants alike
-            with pre_off.paused():
-                on.append(time_steps(model, pre_on, batch, steps))
-            with pre_on.paused():
-                off.append(time_steps(model, pre_off, batch, steps))
+            pre_off.detach()
+            pre_on.attach()
+            on.append(time_steps(model, pre_on, batch, steps))
+            pre_on.detach()
+            pre_off.attach()
+            off.append(time_steps(model, pre_off, batch, steps))
         rows.append((name, batch, statistics.median(on), statistics.median(off)))
     if rank == 0:
         lines = [

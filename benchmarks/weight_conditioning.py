@@ -12,9 +12,9 @@ median time of
   ``WC all`` after :func:`bake_weight_conditioning` (plain modules again);
 
 on the 5-layer CNN of the BNP paper's CNN experiments (3×3 convolutions 32-64-32, two dense layers;
-:func:`example_projects.models.cnn5`) at batch 128 on CIFAR-sized 3×32×32 inputs and on the bundled
-digits' 1×8×8 inputs (the examples' offline fallback: 16× less convolution work per weight, so the
-worst case for the relative overhead), and torchvision's ResNet-18 (``num_classes=10``) at batch 32
+:func:`example_projects.models.cnn5`) at batch 128 on CIFAR-sized 3×32×32 inputs and on 1×28×28 MNIST-sized
+inputs (the examples' offline data: less convolution work per weight, so a worse case for the
+relative overhead), and torchvision's ResNet-18 (``num_classes=10``) at batch 32
 on 3×32×32 inputs. Inputs are random: only time is measured. Writes
 ``benchmarks/out/weight_conditioning.md`` and ``.png``.
 
@@ -57,7 +57,7 @@ def make_model(kind: str, args: argparse.Namespace) -> nn.Module:
 def cases(args: argparse.Namespace) -> dict[str, tuple[int, tuple[int, ...]]]:
     """model -> (batch, input shape)."""
     return {"CNN5 3×32×32": (args.cnn_batch, (3, 32, 32)),
-            "CNN5 1×8×8": (args.cnn_batch, (1, 8, 8)),
+            "CNN5 1×28×28": (args.cnn_batch, (1, 28, 28)),
             "ResNet-18": (args.resnet_batch, (3, 32, 32))}  # fmt: skip
 
 

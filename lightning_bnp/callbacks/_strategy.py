@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import (
     Strategy,
     XLAStrategy,
 )
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 
 def holds_full_replica(strategy: Strategy) -> bool:
@@ -20,3 +21,9 @@ def holds_full_replica(strategy: Strategy) -> bool:
     """
     sharded_or_xla = (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)
     return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, sharded_or_xla)
+
+
+def spawns_workers(strategy: Strategy) -> bool:
+    """'ddp_spawn', 'ddp_fork', 'ddp_notebook': training runs in processes the main one does not share
+    callback state with (only the weights come back)."""
+    return isinstance(strategy.launcher, _MultiProcessingLauncher)

@@ -11,8 +11,11 @@ therefore runs in ``on_before_optimizer_step``, on the layers the stepping optim
 preconditioned gradient, which is the one the optimizer uses.
 
 Skipped steps. The running statistics computed in a step are committed from the optimizer's
-step post-hook, which PyTorch runs only when ``optimizer.step`` really happens: a step the
-``GradScaler`` skips for non-finite gradients leaves the statistics untouched.
+step post-hook (``BNPPreconditioner.step(optimizer)``), which PyTorch runs only when
+``optimizer.step`` really happens: a step the ``GradScaler`` skips for non-finite gradients leaves
+the statistics untouched. A micro-batch whose ``training_step`` returns ``None`` after its forward
+adds no statistics (they count once the backward reaches the layer's output), and a NaN/Inf sample
+never enters the running statistics (the core's module docstring).
 
 .. math::
     G_w[i, j] \\leftarrow \\frac{G_w[i, j] - μ_j G_b[i]}{q^2 \\tilde σ_j^2}, \\qquad
@@ -30,13 +33,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bnp.callbacks._strategy import holds_full_replica
-from lightning_bnp.core.preconditioner import (
-    DEFAULT_LAYER_TYPES,
-    BNPPreconditioner,
-    PendingUpdate,
-    validate_bnp_arguments,
-)
+from lightning_bnp.callbacks._strategy import holds_full_replica, spawns_workers
+from lightning_bnp.core.preconditioner import DEFAULT_LAYER_TYPES, BNPPreconditioner, validate_bnp_arguments
 
 __all__ = ["BatchNormPreconditioning", "StepRegularizer"]
 
@@ -116,8 +114,6 @@ class BatchNormPreconditioning(Callback):
         self.preconditioner: BNPPreconditioner | None = None
         self._model: torch.nn.Module | None = None
         self._loaded_state: dict[str, Any] | None = None
-        self._pending: dict[int, PendingUpdate] = {}
-        self._step_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.regularizer: StepRegularizer | None = None  # set by ZSpaceRegularization.setup
 
     # ------------------------------------------------------------------ setup
@@ -154,6 +150,13 @@ class BatchNormPreconditioning(Callback):
                 "needs every rank to hold full Linear/Conv weights and gradients. Supported: a single "
                 "device, and DDP ('ddp', 'ddp_spawn', 'ddp_find_unused_parameters_true')."
             )
+        if spawns_workers(strategy):
+            rank_zero_warn(
+                f"BatchNormPreconditioning under {type(strategy.launcher).__name__}: the running statistics "
+                "live in the worker processes and only the weights return to the main one. Checkpoints saved "
+                "during fit (ModelCheckpoint) hold the BNP state; `trainer.save_checkpoint` called in the main "
+                "process after fit does not. Use strategy='ddp' to keep it in the main process."
+            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -181,9 +184,41 @@ class BatchNormPreconditioning(Callback):
                     f"layer {name!r} has its weight and bias in different optimizers; BNP couples them "
                     "(eq. 15). Put both in one optimizer or exclude the layer with `exclude`."
                 )
-        self._remove_step_hooks()
-        for optimizer in trainer.optimizers:
-            self._step_hooks.append(optimizer.register_step_post_hook(self._commit))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.statistics == "batch":
+            self._check_last_step_has_rows(trainer)
+
+    def _check_last_step_has_rows(self, trainer: pl.Trainer) -> None:
+        """``statistics="batch"`` refuses a step in which a dense layer sees one row; a last batch of one
+        sample would hit that only at the end of the first epoch, so it is refused here, at the start.
+        Checked for a map-style ``DataLoader`` with a batch sampler (others are only checked per step)."""
+        assert self.preconditioner is not None
+        loader = trainer.train_dataloader
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        batch_size, sampler = getattr(batch_sampler, "batch_size", None), getattr(batch_sampler, "sampler", None)
+        if not isinstance(batch_size, int) or getattr(batch_sampler, "drop_last", True) or sampler is None:
+            return
+        if self.preconditioner._distributed() or not any(
+            isinstance(layer.module, torch.nn.Linear) for layer in self.preconditioner.layers.values()
+        ):
+            return  # pooled over ranks, or conv layers only (rows = batch × positions)
+        samples, batches = len(sampler), trainer.num_training_batches
+        if batches != -(-samples // batch_size):
+            return  # limit_train_batches: the short batch is never reached
+        last_step = (
+            trainer.accumulate_grad_batches
+            if batches % trainer.accumulate_grad_batches == 0
+            else (batches % trainer.accumulate_grad_batches)
+        )
+        rows = (samples - (batches - 1) * batch_size) + (last_step - 1) * batch_size
+        if rows == 1:
+            raise ValueError(
+                f"statistics='batch' needs more than one row per step, but the last step of every epoch has "
+                f"one sample ({samples} samples, batch_size={batch_size}, drop_last=False): use "
+                "DataLoader(..., drop_last=True), another batch size, or statistics='running'."
+            )
 
     # ------------------------------------------------------------------- step
     @override
@@ -191,17 +226,11 @@ class BatchNormPreconditioning(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         assert self.preconditioner is not None
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         if self.regularizer is not None:
             self.regularizer.before_precondition(optimizer)
-        self._pending[id(optimizer)] = self.preconditioner.precondition(params, commit=False)
+        self.preconditioner.step(optimizer)  # commits when optimizer.step() really runs
         if self.regularizer is not None:  # z-space terms need this step's M
             self.regularizer.after_precondition(trainer, pl_module, optimizer, self.preconditioner)
-
-    def _commit(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        pending = self._pending.pop(id(optimizer), None)
-        if pending is not None:
-            pending.commit()
 
     # --------------------------------------------------------------- teardown
     @override
@@ -210,13 +239,6 @@ class BatchNormPreconditioning(Callback):
             return
         if self.preconditioner is not None:
             self.preconditioner.detach()
-        self._remove_step_hooks()
-        self._pending.clear()
-
-    def _remove_step_hooks(self) -> None:
-        for handle in self._step_hooks:
-            handle.remove()
-        self._step_hooks.clear()
 
     # ------------------------------------------------------------------ state
     @override

@@ -30,11 +30,10 @@ from typing import Any, Literal, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_bnp.callbacks._strategy import holds_full_replica
+from lightning_bnp.callbacks._strategy import holds_full_replica, spawns_workers
 from lightning_bnp.core.conditioning import (
     DEFAULT_EPS,
     DEFAULT_LAYER_TYPES,
@@ -169,7 +168,7 @@ class WeightConditioning(Callback):
                 f"WeightConditioning does not support the {type(strategy).__name__} strategy (untested with "
                 "sharded or XLA parameters). Supported: a single device, and DDP with strategy='ddp'."
             )
-        if isinstance(strategy.launcher, _MultiProcessingLauncher):
+        if spawns_workers(strategy):
             raise RuntimeError(
                 "WeightConditioning does not support spawn/fork launchers ('ddp_spawn', 'ddp_fork', "
                 "'ddp_notebook'): the parametrization is registered in the worker processes, so the main "

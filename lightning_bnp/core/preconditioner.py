@@ -24,11 +24,27 @@ equilibrated (μ is kept at 0 for them). A layer whose bias exists but has no gr
 
 Frozen layers (``weight.requires_grad`` false) record no statistics, and layers whose weight has
 no gradient in a step are skipped and their statistics for that step dropped.
+
+Which forward calls count. A forward call's statistics count for the step once the backward pass
+reaches its output (a pre-hook on the output's autograd node): a forward whose output gets no
+gradient — a ``training_step`` that returns ``None`` after the forward, an output used only for
+logging — adds nothing, and the forward that non-reentrant activation checkpointing recomputes
+during the backward is not counted twice (its recomputed graph is never back-propagated).
+
+Non-finite statistics. A step whose pooled moments of a layer are not finite (a NaN or Inf sample)
+does not update that layer's running statistics: P of that step is built from the statistics
+committed before it, and a :class:`BNPWarning` names the layer (once). One host synchronisation per
+step reads the finiteness flags of all layers together.
+
+Layers sharing one weight (``dec.weight = enc.weight``) are one layer for BNP, as a module called
+twice is: their statistics are pooled and the shared gradient is transformed once. They must share
+their bias too (or both have none), since P couples a weight with its bias (eq. 15).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,17 +53,17 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
+from torch.optim import Optimizer
 
+from lightning_bnp.core.layers import BNPWarning, StepTransform, _Layer, make_layers
 from lightning_bnp.core.selection import select_layers, validate_layer_types
 from lightning_bnp.core.statistics import (
     Moments,
     RunningStatistics,
     moments_of_input,
-    statistics_dtype,
     updated_many,
 )
-from lightning_bnp.core.transform import precondition_, precondition_many_, q_squared, var_tilde_many
+from lightning_bnp.core.transform import precondition_many_, q_squared, var_tilde_many
 from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_patterns
 
 __all__ = [
@@ -63,8 +79,8 @@ DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 StatisticsMode = Literal["running", "batch"]
 
 
-class BNPWarning(UserWarning):
-    """Raised (once per layer) for managed layers that BNP cannot precondition in a step."""
+# module → the attached preconditioner that manages it (so that a second one is refused)
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[BNPPreconditioner]] = weakref.WeakKeyDictionary()
 
 
 def validate_bnp_arguments(
@@ -98,52 +114,6 @@ def validate_bnp_arguments(
 
 
 @dataclass
-class StepTransform:
-    """The factors of M = (1/q²)·P·Pᵀ that one layer used in the latest step (so that other
-    vectors, e.g. a weight-decay or Hessian-vector term, can be mapped by the same M)."""
-
-    mu: Tensor | None  # None: no centring block (no bias, or no bias gradient)
-    var_t: Tensor
-    q2: float
-    groups: int
-
-    def apply_(self, vec_w: Tensor, vec_b: Tensor | None) -> None:
-        """vec ← M·vec in place; ``vec_b`` is ignored (may be None) when there is no centring block."""
-        precondition_(vec_w, vec_b if self.mu is not None else None, self.mu, self.var_t, self.q2, self.groups)
-
-
-@dataclass
-class _Layer:
-    name: str
-    module: nn.Module
-    has_bias: bool  # P has the centring block; statistics are centred
-    groups: int
-    fan_in: int  # weight[0].numel(): c_in/groups · kernel volume, or in_features
-    features: int  # length of μ: in_features or c_in
-    running: RunningStatistics
-    moments: Moments | None = None
-    transform: StepTransform | None = None  # what the latest step applied
-
-    @property
-    def weight(self) -> Tensor:
-        """The trainable weight leaf: ``parametrizations.weight.original`` under
-        ``torch.nn.utils.parametrize`` (e.g. Weight Conditioning), else ``weight``. Looked up at
-        use time, so a parametrization registered after BNP's setup is followed."""
-        if parametrize.is_parametrized(self.module, "weight"):
-            return self.module.parametrizations.weight.original  # type: ignore[union-attr,return-value]
-        return self.module.weight  # type: ignore[return-value]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Statistics dtype; follows the model if it is cast after BNP was set up (e.g. "64-true")."""
-        return statistics_dtype(self.weight.dtype)
-
-    @property
-    def bias(self) -> Tensor | None:
-        return self.module.bias  # type: ignore[return-value]
-
-
-@dataclass
 class PendingUpdate:
     """Running-statistics updates computed by a step but not yet stored.
 
@@ -157,6 +127,32 @@ class PendingUpdate:
         for running, state in self.items:
             running.assign(*state)
         self.items.clear()
+
+
+_NEVER_RAN = (
+    "has a gradient but its forward never ran in training mode, or the backward never reached its output, "
+    "since the last step (e.g. its weight is used through F.linear, as in nn.MultiheadAttention.out_proj); "
+    "its gradient is left untransformed. Exclude it with `exclude` to silence this warning."
+)
+_TWICE = (
+    "its gradient was already preconditioned by the previous step() and no backward has changed it "
+    "since; it is left as it is (one transform per gradient). Call step() once per backward."
+)
+_NON_FINITE = (
+    "the step's input statistics are not finite (a NaN or Inf in the batch); its running statistics "
+    "are not updated in such a step and P uses the ones stored before it."
+)
+
+
+def _parameters(optimizer: Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _all_finite(moments: list[Moments]) -> list[bool]:
+    """Whether each layer's pooled mean and m2 are finite: one reduction kernel and one host read."""
+    norms = torch._foreach_norm([m.mean for m in moments] + [m.m2 for m in moments], float("inf"))
+    flags: list[bool] = torch.isfinite(torch.stack(norms)).view(2, -1).all(0).tolist()
+    return flags
 
 
 class BNPPreconditioner:
@@ -182,9 +178,11 @@ class BNPPreconditioner:
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
-        ValueError: an argument outside its range or not finite, or a pattern that matches no layer.
+        ValueError: an argument outside its range or not finite, a pattern that matches no layer, or
+            two selected layers that share a weight but not their bias.
+        RuntimeError: a layer is already managed by another attached preconditioner.
 
-    Example::
+    Example (``pre.step(opt)`` instead stores the statistics only if ``opt.step()`` runs)::
 
         pre = BNPPreconditioner(model)
         for x, y in loader:
@@ -227,45 +225,58 @@ class BNPPreconditioner:
         self.bias_correction = bias_correction
         self.sync_statistics = sync_statistics
         self.process_group = process_group
-        self.layers: dict[str, _Layer] = {
-            name: self._make_layer(name, module)
-            for name, module in select_layers(model, layer_types, include, exclude).items()
-        }
+        selected = select_layers(model, layer_types, include, exclude)
+        self.layers: dict[str, _Layer] = make_layers(model, selected, rho=rho, bias_correction=bias_correction)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._collecting = True
-        self._warned: set[str] = set()
+        self._generation = 0  # bumped by detach(): forwards from before it never count
+        self._warned: set[tuple[str, str]] = set()
+        self._pending: dict[int, PendingUpdate] = {}  # per optimizer, committed by its step post-hook
+        self._commit_hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self.attach()
-
-    def _make_layer(self, name: str, module: nn.Module) -> _Layer:
-        weight: Tensor = module.weight  # type: ignore[assignment]  # shape and dtype only
-        bias = module.bias
-        if isinstance(module, nn.Linear):
-            groups, features = 1, module.in_features
-        else:
-            assert isinstance(module, nn.modules.conv._ConvNd)
-            groups, features = module.groups, module.in_channels
-        dtype = statistics_dtype(weight.dtype)
-        running = RunningStatistics(
-            features, rho=self.rho, bias_correction=self.bias_correction, device=weight.device, dtype=dtype
-        )
-        has_bias = isinstance(bias, Tensor)
-        return _Layer(name, module, has_bias, groups, weight[0].numel(), features, running)
 
     # ------------------------------------------------------------------ hooks
     def attach(self) -> None:
-        """Register the forward hooks (idempotent)."""
+        """Register the forward hooks (idempotent).
+
+        Raises:
+            RuntimeError: a layer is already managed by another attached preconditioner (the
+                gradient would be transformed twice); ``detach()`` that one first.
+        """
         if self._handles:
             return
+        taken = {
+            name: owner
+            for layer in self.layers.values()
+            for name, module in layer.modules.items()
+            if (owner := _OWNERS.get(module)) is not None and owner() is not None and owner() is not self
+        }
+        if taken:
+            raise RuntimeError(
+                f"layers {sorted(taken)} are already managed by another attached BNPPreconditioner (or "
+                "BatchNormPreconditioning callback); two would transform the gradients twice. Call "
+                "`.detach()` on the other one first."
+            )
         for layer in self.layers.values():
-            self._handles.append(layer.module.register_forward_hook(self._make_hook(layer)))
+            for module in layer.modules.values():
+                _OWNERS[module] = weakref.ref(self)
+                self._handles.append(module.register_forward_hook(self._make_hook(layer), with_kwargs=True))
 
     def detach(self) -> None:
-        """Remove the forward hooks and drop statistics of an unfinished step."""
-        for handle in self._handles:
+        """Remove the forward hooks and the optimizers' commit hooks; drop statistics of an unfinished
+        step (forwards that ran before this call never count)."""
+        for handle in [*self._handles, *self._commit_hooks.values()]:
             handle.remove()
         self._handles.clear()
+        self._commit_hooks.clear()
+        self._pending.clear()
+        self._generation += 1
         for layer in self.layers.values():
             layer.moments = None
+            for module in layer.modules.values():
+                owner = _OWNERS.get(module)
+                if owner is not None and owner() is self:
+                    del _OWNERS[module]
 
     @property
     def attached(self) -> bool:
@@ -281,27 +292,62 @@ class BNPPreconditioner:
             self._collecting = previous
 
     def _make_hook(self, layer: _Layer) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             # statistics only from training forward passes that build a graph for a gradient
             if not (self._collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad):
                 return
+            h = args[0] if args else kwargs.get("input")  # nn.Linear / _ConvNd: forward(input)
+            if not isinstance(h, Tensor) or not isinstance(output, Tensor) or output.grad_fn is None:
+                return
             with torch.no_grad():
-                part = moments_of_input(module, args[0], output)
-            layer.moments = part if layer.moments is None else layer.moments.merge(part)
+                part = moments_of_input(module, h, output)
+            output.grad_fn.register_prehook(self._count_when_reached(layer, part))
 
         return hook
 
+    def _count_when_reached(self, layer: _Layer, part: Moments) -> Any:
+        """A pre-hook for the output's autograd node: the forward's statistics join the step when the
+        backward pass reaches the output (once, however often the graph is back-propagated)."""
+        generation, counted = self._generation, False
+
+        def count(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            nonlocal counted
+            if counted or generation != self._generation:
+                return
+            counted = True
+            layer.moments = part if layer.moments is None else layer.moments.merge(part)
+
+        return count
+
     # ------------------------------------------------------------------- step
-    def step(self, params: Iterable[Tensor] | None = None) -> None:
-        """Precondition the gradients of the layers owning ``params`` (all when ``None``) and
-        store the updated running statistics."""
-        self.precondition(params, commit=True)
+    def step(self, params: Iterable[Tensor] | Optimizer | None = None) -> None:
+        """Precondition the gradients of the layers owning ``params`` (all when ``None``) and store
+        the updated running statistics.
+
+        Given an optimizer, the layers in its parameter groups are transformed and the statistics
+        are stored only when ``optimizer.step()`` really runs (from its step post-hook): a step that
+        ``torch.amp.GradScaler`` skips for non-finite gradients leaves them untouched, as the
+        Lightning callback does. Call it after ``scaler.unscale_(optimizer)``.
+        """
+        if isinstance(params, Optimizer):
+            self._pending[id(params)] = self.precondition(_parameters(params), commit=False)
+            if id(params) not in self._commit_hooks:
+                self._commit_hooks[id(params)] = params.register_step_post_hook(self._commit)
+        else:
+            self.precondition(params, commit=True)
+
+    def _commit(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        pending = self._pending.pop(id(optimizer), None)
+        if pending is not None:
+            pending.commit()
 
     def precondition(self, params: Iterable[Tensor] | None = None, *, commit: bool = True) -> PendingUpdate:
         """Transform the current gradients of the layers whose weight is in ``params``.
 
         Statistics pooled since the previous step are consumed. With ``commit=False`` the running
-        statistics are updated only when the returned :class:`PendingUpdate` is committed.
+        statistics are updated only when the returned :class:`PendingUpdate` is committed. A
+        gradient that the previous call transformed and no backward has changed since is left as it
+        is (with a warning): the transform is applied once per gradient.
         """
         if params is None:
             layers = list(self.layers.values())
@@ -309,7 +355,7 @@ class BNPPreconditioner:
             ids = {id(p) for p in params}
             layers = [layer for layer in self.layers.values() if id(layer.weight) in ids]
         # a layer with no gradient this step did not contribute to it: its statistics are dropped
-        active = [layer for layer in layers if layer.weight.grad is not None]
+        active = [layer for layer in layers if layer.weight.grad is not None and not self._transformed_already(layer)]
         pooled = self._pool(active)
         for layer in layers:
             layer.moments = None
@@ -318,25 +364,34 @@ class BNPPreconditioner:
         ready = [(layer, m) for layer, m in zip(active, pooled) if m.rows > 0]
         for layer, m in zip(active, pooled):
             if m.rows == 0:
-                self._warn_never_ran(layer)
+                self._warn(layer, "never ran", _NEVER_RAN)
         if ready:
             self._transform(ready, pending)
         if commit:
             pending.commit()
         return pending
 
+    def _transformed_already(self, layer: _Layer) -> bool:
+        """Whether the weight's gradient is the one the previous step transformed, unchanged since."""
+        grad, done = layer.weight.grad, layer.transformed_grad
+        if grad is None or done is None or done[0]() is not grad or grad._version != done[1]:
+            return False
+        self._warn(layer, "twice", _TWICE)
+        return True
+
     def _transform(self, ready: list[tuple[_Layer, Moments]], pending: PendingUpdate) -> None:
         """Steps 2–4 for every layer of the step at once (``torch._foreach_*`` kernels)."""
         mus, variances = self._statistics_for_step(ready, pending)
         var_ts = var_tilde_many(variances, self.eps1, self.eps2)
-        grads_w = [layer.weight.grad for layer, _ in ready]
+        grads_w: list[Tensor] = [layer.weight.grad for layer, _ in ready]  # type: ignore[misc]  # active: not None
         grads_b = [layer.bias.grad if layer.bias is not None else None for layer, _ in ready]
         mus_used = [mu if grad_b is not None else None for mu, grad_b in zip(mus, grads_b)]
         q2s = [q_squared(layer.fan_in, m.samples, m.out_positions / m.samples) for layer, m in ready]
         groups = [layer.groups for layer, _ in ready]
-        precondition_many_(grads_w, grads_b, mus_used, var_ts, q2s, groups)  # type: ignore[arg-type]
-        for (layer, _), mu, var_t, q2 in zip(ready, mus_used, var_ts, q2s):
+        precondition_many_(grads_w, grads_b, mus_used, var_ts, q2s, groups)
+        for (layer, _), mu, var_t, q2, grad_w in zip(ready, mus_used, var_ts, q2s, grads_w):
             layer.transform = StepTransform(mu, var_t, q2, layer.groups)
+            layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)
 
     def _statistics_for_step(
         self, ready: list[tuple[_Layer, Moments]], pending: PendingUpdate
@@ -362,6 +417,11 @@ class BNPPreconditioner:
         if self.statistics == "batch":
             return mus_h, vars_h
         states = updated_many(runnings, mus_h, vars_h)
+        for i, finite in enumerate(_all_finite(moments)):
+            if not finite:  # a NaN/Inf sample: keep the committed statistics for this step
+                running = runnings[i]
+                states[i] = (running.mean_acc, running.var_acc, running.steps)
+                self._warn(ready[i][0], "non-finite", _NON_FINITE)
         pending.items.extend(zip(runnings, states))
         coefficients = [running.view_coefficients(steps) for running, (_, _, steps) in zip(runnings, states)]
         scales = [scale for scale, _ in coefficients]
@@ -402,18 +462,11 @@ class BNPPreconditioner:
             and dist.get_world_size(self.process_group) > 1
         )
 
-    def _warn_never_ran(self, layer: _Layer) -> None:
-        if layer.name in self._warned:
+    def _warn(self, layer: _Layer, cause: str, message: str) -> None:
+        if (layer.name, cause) in self._warned:
             return
-        self._warned.add(layer.name)
-        warnings.warn(
-            f"BNP layer {layer.name!r} ({type(layer.module).__name__}) has a gradient but its forward "
-            "never ran in training mode this step (e.g. its weight is used through F.linear, as in "
-            "nn.MultiheadAttention.out_proj); its gradient is left untransformed. Exclude it with "
-            "`exclude` to silence this warning.",
-            BNPWarning,
-            stacklevel=2,
-        )
+        self._warned.add((layer.name, cause))
+        warnings.warn(f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}", BNPWarning, stacklevel=3)
 
     def step_transforms(self, params: Iterable[Tensor]) -> dict[int, tuple[_Layer, StepTransform]]:
         """``{id(weight): (layer, transform)}`` for the layers among ``params`` that the latest

@@ -273,6 +273,40 @@ def test_refuses_sharded_strategies() -> None:
         BatchNormPreconditioning._check_strategy(trainer)  # type: ignore[arg-type]
 
 
+def test_spawn_launchers_warn_that_the_main_process_gets_no_statistics() -> None:
+    """Issue 15, "also measured": a checkpoint saved in the main process after a ``ddp_spawn`` fit has no
+    BNP state; BNP said nothing (Weight Conditioning refuses spawn for the same reason)."""
+    trainer = pl.Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2, logger=False)
+    with pytest.warns(UserWarning, match=r"running statistics live in the worker processes"):
+        BatchNormPreconditioning._check_strategy(trainer)
+
+
+@pytest.mark.parametrize(
+    ("samples", "accumulate", "drop_last", "refused"),
+    [(17, 1, False, True), (17, 1, True, False), (16, 1, False, False), (17, 2, False, True), (25, 2, False, False)],
+)
+def test_batch_statistics_refuse_a_one_sample_last_step_at_the_start(
+    tmp_path: Path, samples: int, accumulate: int, drop_last: bool, refused: bool
+) -> None:
+    """Issue 15, "also measured": with ``statistics="batch"``, a last batch of one sample used to fail only
+    at the end of epoch 0; it is refused before the first step (the last *step* counts, so with
+    accumulation a one-sample batch that joins others is fine)."""
+    model = BoringClassifier(make_mlp())
+    loader = DataLoader(make_data(n=samples), batch_size=8, drop_last=drop_last)
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False, max_epochs=1,
+        enable_model_summary=False, accumulate_grad_batches=accumulate,
+        callbacks=[BatchNormPreconditioning(statistics="batch")],
+    )  # fmt: skip
+    if refused:
+        with pytest.raises(ValueError, match=r"statistics='batch' needs more than one row per step.*drop_last=True"):
+            trainer.fit(model, loader)
+        assert trainer.global_step == 0
+    else:
+        trainer.fit(model, loader)
+        assert trainer.global_step > 0
+
+
 def test_refuses_two_bnp_callbacks(tmp_path: Path) -> None:
     # the gradients would be transformed twice; Lightning refuses two callbacks with one state_key
     with pytest.raises(RuntimeError, match="more than one stateful callback of type `BatchNormPreconditioning`"):

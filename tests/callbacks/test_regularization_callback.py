@@ -237,18 +237,19 @@ def test_invalid_arguments(kwargs: dict, match: str) -> None:
 
 
 class SkippingClassifier(BoringClassifier):
-    """``training_step`` returns None (Lightning: skip the batch) or, with ``zero=True``, 0·loss on ``skip``."""
+    """``training_step`` returns None (Lightning: skip the batch) on ``skip``: after the forward pass,
+    or with ``early=True`` before it."""
 
-    def __init__(self, network: nn.Module, skip: set[int], zero: bool = False) -> None:
+    def __init__(self, network: nn.Module, skip: set[int], early: bool = False) -> None:
         super().__init__(network, lr=LR)
-        self.skip, self.zero = skip, zero
+        self.skip, self.early = skip, early
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.early and batch_idx in self.skip:
+            return None
         loss = super().training_step(batch, batch_idx)
-        if batch_idx in self.skip:
-            return loss * 0.0 if self.zero else None
-        return loss
+        return None if batch_idx in self.skip else loss
 
 
 def _params(model: BoringClassifier) -> Tensor:
@@ -277,11 +278,11 @@ def test_gradient_penalty_skips_steps_whose_training_step_returns_none(tmp_path:
 
 @pytest.mark.parametrize("hvp", ["double_backprop", "finite_difference"])
 def test_gradient_penalty_skips_a_none_micro_batch_under_accumulation(tmp_path: Path, hvp: str) -> None:
-    """A micro-batch returning None contributes nothing to ∇L nor to ∇²L·v: same step as 0·loss for it
-    (which leaves BNP's statistics, gathered by the forward pass, the same too)."""
+    """A micro-batch returning None contributes nothing to ∇L nor to ∇²L·v, nor to BNP's statistics
+    (issue 15, item 2): the same step as a micro-batch skipped before its forward pass."""
     results = []
-    for zero in (False, True):
-        model = SkippingClassifier(make_net(), skip={0}, zero=zero)
+    for early in (False, True):
+        model = SkippingClassifier(make_net(), skip={0}, early=early)
         reg = ZSpaceRegularization(gradient_penalty=0.5, hvp=hvp)  # type: ignore[arg-type]
         _fit(tmp_path, model, make_data(n=2 * BATCH), batch_size=BATCH, callbacks=[reg, BatchNormPreconditioning()],
              max_steps=1, accumulate_grad_batches=2)  # fmt: skip

@@ -1,0 +1,136 @@
+"""The layers BNP manages: one record per distinct weight, with the transform its latest step applied.
+
+Modules that share a weight (``dec.weight = enc.weight``) are one layer, as one module called twice
+is: their forward calls feed one set of statistics and the shared gradient is transformed once.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics_dtype
+from lightning_bnp.core.transform import precondition_
+
+__all__ = ["BNPWarning", "StepTransform", "make_layers", "weight_leaf"]
+
+
+class BNPWarning(UserWarning):
+    """Raised (once per layer and cause) for managed layers that BNP cannot precondition in a step."""
+
+
+def weight_leaf(module: nn.Module) -> Tensor:
+    """The trainable weight: ``parametrizations.weight.original`` under ``torch.nn.utils.parametrize``
+    (e.g. Weight Conditioning), else ``weight``."""
+    if parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations.weight.original  # type: ignore[union-attr,return-value]
+    return module.weight  # type: ignore[return-value]
+
+
+@dataclass
+class StepTransform:
+    """The factors of M = (1/q²)·P·Pᵀ that one layer used in the latest step (so that other
+    vectors, e.g. a weight-decay or Hessian-vector term, can be mapped by the same M)."""
+
+    mu: Tensor | None  # None: no centring block (no bias, or no bias gradient)
+    var_t: Tensor
+    q2: float
+    groups: int
+
+    def apply_(self, vec_w: Tensor, vec_b: Tensor | None) -> None:
+        """vec ← M·vec in place; ``vec_b`` is ignored (may be None) when there is no centring block."""
+        precondition_(vec_w, vec_b if self.mu is not None else None, self.mu, self.var_t, self.q2, self.groups)
+
+
+@dataclass
+class _Layer:
+    name: str
+    module: nn.Module
+    has_bias: bool  # P has the centring block; statistics are centred
+    groups: int
+    fan_in: int  # weight[0].numel(): c_in/groups · kernel volume, or in_features
+    features: int  # length of μ: in_features or c_in
+    running: RunningStatistics
+    moments: Moments | None = None
+    transform: StepTransform | None = None  # what the latest step applied
+    tied: dict[str, nn.Module] = field(default_factory=dict)  # other modules sharing this weight
+    # (weak reference, version) of the gradient the latest step transformed: a second step on it is refused
+    transformed_grad: tuple[weakref.ref[Tensor], int] | None = None
+
+    @property
+    def modules(self) -> dict[str, nn.Module]:
+        """Every module whose forward feeds this layer's statistics (several when weights are tied)."""
+        return {self.name: self.module, **self.tied}
+
+    @property
+    def weight(self) -> Tensor:
+        """The trainable weight leaf: ``parametrizations.weight.original`` under
+        ``torch.nn.utils.parametrize`` (e.g. Weight Conditioning), else ``weight``. Looked up at
+        use time, so a parametrization registered after BNP's setup is followed."""
+        return weight_leaf(self.module)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Statistics dtype; follows the model if it is cast after BNP was set up (e.g. "64-true")."""
+        return statistics_dtype(self.weight.dtype)
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.module.bias  # type: ignore[return-value]
+
+
+def make_layers(
+    model: nn.Module, selected: dict[str, nn.Module], *, rho: float, bias_correction: bool
+) -> dict[str, _Layer]:
+    """One :class:`_Layer` per distinct weight of the ``selected`` modules: modules sharing a weight are one
+    layer (pooled like one module called twice).
+
+    Raises:
+        ValueError: two modules share a weight but not their bias (P couples a weight with its bias).
+    """
+    layers: dict[int, _Layer] = {}
+    for name, module in selected.items():
+        weight = weight_leaf(module)
+        if id(weight) not in layers:
+            layers[id(weight)] = _make_layer(name, module, rho, bias_correction)
+            continue
+        layer = layers[id(weight)]
+        if module.bias is not layer.module.bias:
+            raise ValueError(
+                f"layers {layer.name!r} and {name!r} share one weight but not their bias; BNP's P couples "
+                "a weight with its bias (eq. 15), so a shared weight needs a shared bias (or none). "
+                f"Exclude one of them with `exclude`, e.g. exclude=[{name!r}]."
+            )
+        layer.tied[name] = module
+    managed = {id(weight_leaf(m)): layer.name for layer in layers.values() for m in layer.modules.values()}
+    for name, module in model.named_modules():
+        if name not in selected and isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+            owner = managed.get(id(weight_leaf(module)))
+            if owner is not None:
+                warnings.warn(
+                    f"BNP layer {owner!r} shares its weight with {name!r}, which BNP does not manage: the "
+                    f"shared gradient includes {name!r}'s contribution but P is built from {owner!r}'s "
+                    f"inputs only. Manage both (they are then pooled as one layer) or exclude both.",
+                    BNPWarning,
+                    stacklevel=4,
+                )
+    return {layer.name: layer for layer in layers.values()}
+
+
+def _make_layer(name: str, module: nn.Module, rho: float, bias_correction: bool) -> _Layer:
+    weight: Tensor = module.weight  # type: ignore[assignment]  # shape and dtype only
+    bias = module.bias
+    if isinstance(module, nn.Linear):
+        groups, features = 1, module.in_features
+    else:
+        assert isinstance(module, nn.modules.conv._ConvNd)
+        groups, features = module.groups, module.in_channels
+    dtype = statistics_dtype(weight.dtype)
+    running = RunningStatistics(features, rho=rho, bias_correction=bias_correction, device=weight.device, dtype=dtype)
+    has_bias = isinstance(bias, Tensor)
+    return _Layer(name, module, has_bias, groups, weight[0].numel(), features, running)

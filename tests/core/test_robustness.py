@@ -1,0 +1,293 @@
+"""Issue 15: one bad batch, one unusual call, tied weights — the core's rules, each against a reference
+run that never saw the bad input (so every test fails on the code before the fix)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_bnp.core import BNPPreconditioner, BNPWarning
+
+BATCH, FEATURES, HIDDEN, CLASSES = 8, 5, 6, 3
+
+
+def make_net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.LeakyReLU(), nn.Linear(HIDDEN, CLASSES)).double()
+
+
+def batch(seed: int, *, bad: float | None = None) -> tuple[Tensor, Tensor]:
+    """Inputs far from μ = 0, σ² = 1 (so that a wrong statistic shows); ``bad`` puts that value
+    (NaN or Inf) into one entry of one sample."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, FEATURES, generator=g, dtype=torch.float64) * torch.logspace(-1, 1, FEATURES) + 2.0
+    if bad is not None:
+        x[3, 1] = bad
+    return x, torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+def statistics(pre: BNPPreconditioner) -> dict[str, tuple[Tensor, Tensor, int]]:
+    return {name: (lay.running.mean_acc, lay.running.var_acc, lay.running.steps) for name, lay in pre.layers.items()}
+
+
+def assert_same_state(net: nn.Module, pre: BNPPreconditioner, ref_net: nn.Module, ref_pre: BNPPreconditioner) -> None:
+    for (name, p), q in zip(net.named_parameters(), ref_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    for name, (mean, var, steps) in statistics(pre).items():
+        ref_mean, ref_var, ref_steps = statistics(ref_pre)[name]
+        assert steps == ref_steps, name
+        torch.testing.assert_close(mean, ref_mean, rtol=0, atol=0)
+        torch.testing.assert_close(var, ref_var, rtol=0, atol=0)
+
+
+def zero_non_finite_gradients(net: nn.Module) -> None:
+    """A common guard: a non-finite gradient entry becomes 0."""
+    for p in net.parameters():
+        if p.grad is not None:
+            torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def sgd_step(net: nn.Module, lr: float = 0.5) -> None:
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+                p.grad = None
+
+
+# ------------------------------------------------------------ item 1: NaN / Inf samples
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_sample_never_enters_the_running_statistics(bad: float) -> None:
+    """Issue 15 item 1a: with a guard that zeroes non-finite gradients, a NaN/Inf sample must not
+    poison the statistics: the run equals one that skipped that batch, warns once naming the layer,
+    and keeps training (before the fix every later update was exactly 0)."""
+    net, ref = make_net(), make_net()
+    pre, ref_pre = BNPPreconditioner(net), BNPPreconditioner(ref)
+    for step in range(4):
+        bad_now = bad if step == 1 else None
+        if bad_now is None:  # the reference skips the bad batch altogether
+            x, y = batch(step)
+            F.cross_entropy(ref(x), y).backward()
+            ref_pre.step()
+            sgd_step(ref)
+        x, y = batch(step, bad=bad_now)
+        before = [p.detach().clone() for p in net.parameters()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            F.cross_entropy(net(x), y).backward()
+            pre.step()
+        zero_non_finite_gradients(net)
+        sgd_step(net)
+        messages = [str(w.message) for w in caught if issubclass(w.category, BNPWarning)]
+        if step == 1:
+            assert any("'0'" in m and "not finite" in m for m in messages), messages
+        else:
+            assert not messages, messages
+            assert all(not torch.equal(b, p) for b, p in zip(before, net.parameters()))  # it still trains
+    assert_same_state(net, pre, ref, ref_pre)
+    assert all(torch.isfinite(m).all() and torch.isfinite(v).all() for m, v, _ in statistics(pre).values())
+
+
+@pytest.mark.parametrize("give_optimizer", [True, False])
+def test_step_given_the_optimizer_commits_only_if_the_optimizer_steps(give_optimizer: bool) -> None:
+    """Issue 15 item 1b: in a plain loop with ``torch.amp.GradScaler``, ``pre.step(optimizer)`` stores the
+    statistics only when ``optimizer.step()`` runs; the step the scaler skips leaves them as before.
+    ``pre.step()`` without the optimizer cannot know, and commits."""
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    pre = BNPPreconditioner(net)
+    stored = []
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step)
+        loss = F.cross_entropy(net(x), y) * (float("inf") if step == 1 else 1.0)  # finite inputs, inf gradient
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        pre.step(opt) if give_optimizer else pre.step()
+        scaler.step(opt)
+        scaler.update()
+        stored.append(statistics(pre)["0"])
+    assert [s[2] for s in stored] == ([1, 1, 2] if give_optimizer else [1, 2, 3])
+    if give_optimizer:  # the skipped step committed nothing
+        torch.testing.assert_close(stored[1][0], stored[0][0], rtol=0, atol=0)
+
+
+def test_step_given_the_optimizer_equals_step_then_optimizer_step() -> None:
+    nets = [make_net(), make_net()]
+    opts = [torch.optim.SGD(n.parameters(), lr=0.5, momentum=0.9) for n in nets]
+    pres = [BNPPreconditioner(n) for n in nets]
+    for step in range(3):
+        for i, (net, opt, pre) in enumerate(zip(nets, opts, pres)):
+            opt.zero_grad()
+            x, y = batch(step)
+            F.cross_entropy(net(x), y).backward()
+            pre.step(opt) if i == 0 else pre.step()
+            opt.step()
+    assert_same_state(nets[0], pres[0], nets[1], pres[1])
+
+
+# ------------------------------------------------- item 2: forwards the backward never reaches
+def test_a_forward_whose_output_gets_no_gradient_adds_no_statistics() -> None:
+    """Issue 15 item 2: a micro-batch that is run and then dropped (``training_step`` returning None) —
+    here with its inputs scaled by 1000 and one NaN — changes nothing."""
+    net, ref = make_net(), make_net()
+    pre, ref_pre = BNPPreconditioner(net), BNPPreconditioner(ref)
+    x, y = batch(0)
+    dropped, _ = batch(1, bad=float("nan"))
+    net(dropped * 1000.0)  # forward in training mode with grad, never back-propagated
+    for model, p in ((net, pre), (ref, ref_pre)):
+        F.cross_entropy(model(x), y).backward()
+        p.step()
+        sgd_step(model)
+    assert_same_state(net, pre, ref, ref_pre)
+
+
+def test_a_second_backward_through_one_forward_counts_it_once() -> None:
+    net, ref = make_net(), make_net()
+    pre, ref_pre = BNPPreconditioner(net), BNPPreconditioner(ref)
+    x, y = batch(0)
+    loss = F.cross_entropy(net(x), y)
+    loss.backward(retain_graph=True)
+    (0.0 * loss).backward()
+    pre.step()
+    F.cross_entropy(ref(x), y).backward()
+    ref_pre.step()
+    assert_same_state(net, pre, ref, ref_pre)
+    assert statistics(pre)["0"][2] == 1
+
+
+# ----------------------------------------------------------- item 3: activation checkpointing
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_counts_each_forward_once(use_reentrant: bool) -> None:
+    """Issue 15 item 3: the forward that checkpointing recomputes during backward is not a second batch
+    (non-reentrant mode pooled 4 rows instead of 2 before the fix, halving q² = n_in/N)."""
+    net, ref = make_net(), make_net()
+    pre, ref_pre = BNPPreconditioner(net), BNPPreconditioner(ref)
+    for step in range(2):
+        x, y = (t[:2] for t in batch(step))  # N = 2 < n_in: q² depends on N
+        x.requires_grad_(use_reentrant)  # reentrant checkpointing needs an input that requires grad
+        F.cross_entropy(checkpoint(net, x, use_reentrant=use_reentrant), y).backward()
+        pending = pre.precondition(commit=False)
+        assert [state[2] for _, state in pending.items] == [step + 1, step + 1]
+        pending.commit()
+        F.cross_entropy(ref(x.detach()), y).backward()
+        ref_pre.step()
+        for model in (net, ref):
+            sgd_step(model)
+    assert_same_state(net, pre, ref, ref_pre)
+
+
+# ----------------------------------------------------------------------- item 4: tied weights
+class TiedAutoencoder(nn.Module):
+    def __init__(self, share_bias: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.dec = nn.Linear(FEATURES, FEATURES).double(), nn.Linear(FEATURES, FEATURES).double()
+        self.dec.weight = self.enc.weight
+        if share_bias:
+            self.dec.bias = self.enc.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dec(torch.tanh(self.enc(x)))
+
+
+def test_tied_weights_with_separate_biases_are_refused_naming_both() -> None:
+    """Issue 15 item 4: the shared gradient used to be divided by both layers' q²σ̃² — neither transform."""
+    with pytest.raises(ValueError, match=r"'enc' and 'dec' share one weight but not their bias"):
+        BNPPreconditioner(TiedAutoencoder(share_bias=False))
+    pre = BNPPreconditioner(TiedAutoencoder(share_bias=False), exclude="dec")  # the suggested way out warns
+    assert list(pre.layers) == ["enc"]
+
+
+def test_excluding_one_of_two_tied_layers_warns() -> None:
+    with pytest.warns(BNPWarning, match=r"'enc' shares its weight with 'dec'"):
+        BNPPreconditioner(TiedAutoencoder(share_bias=False), exclude="dec")
+
+
+def test_fully_tied_layers_are_one_layer_like_a_module_called_twice() -> None:
+    """A weight and bias shared by two modules is one layer applied twice: its statistics pool both
+    calls and the gradient is transformed once — exactly the run of one module called twice."""
+    tied = TiedAutoencoder(share_bias=True)
+    torch.manual_seed(0)
+    single = nn.Linear(FEATURES, FEATURES).double()
+
+    def twice(x: Tensor) -> Tensor:
+        return single(torch.tanh(single(x)))
+
+    pre, ref_pre = BNPPreconditioner(tied), BNPPreconditioner(single)
+    assert list(pre.layers) == ["enc"] and list(pre.layers["enc"].modules) == ["enc", "dec"]
+    for step in range(3):
+        x, _ = batch(step)
+        for model, p in ((tied, pre), (twice, ref_pre)):
+            model(x).square().mean().backward()
+            p.step()
+        for module in (tied, single):
+            sgd_step(module)
+    torch.testing.assert_close(tied.enc.weight, single.weight, rtol=0, atol=0)
+    torch.testing.assert_close(tied.enc.bias, single.bias, rtol=0, atol=0)
+    assert pre.state_dict()["layers"]["enc"]["steps"] == 3
+    torch.testing.assert_close(pre.layers["enc"].running.var_acc, ref_pre.layers[""].running.var_acc, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------- item 8: keyword arguments
+class KeywordNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net[2](input=self.net[1](self.net[0](input=x)))
+
+
+def test_a_layer_called_with_a_keyword_argument_is_preconditioned() -> None:
+    """Issue 15 item 8: ``self.fc(input=x)`` raised ``IndexError: tuple index out of range`` in the hook."""
+    net, ref = KeywordNet(), make_net()
+    pre, ref_pre = BNPPreconditioner(net), BNPPreconditioner(ref)
+    x, y = batch(0)
+    for model, p in ((net, pre), (ref, ref_pre)):
+        F.cross_entropy(model(x), y).backward()
+        p.step()
+        sgd_step(model)
+    for (name, p), q in zip(net.net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    assert pre.layers["net.0"].running.steps == 1
+
+
+# --------------------------------------------------------- "also measured": misuse made loud
+def test_a_second_step_on_the_same_gradient_leaves_it_and_says_why() -> None:
+    """``pre.step()`` twice for one backward used to warn that the forward never ran "… F.linear";
+    the gradient is transformed once and the warning says what happened."""
+    net = make_net()
+    pre = BNPPreconditioner(net)
+    x, y = batch(0)
+    F.cross_entropy(net(x), y).backward()
+    pre.step()
+    once = [p.grad.clone() for p in net.parameters()]  # type: ignore[union-attr]
+    with pytest.warns(BNPWarning, match="already preconditioned") as caught:
+        pre.step()
+    assert not any("F.linear" in str(w.message) for w in caught)
+    for g, p in zip(once, net.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    F.cross_entropy(net(x), y).backward()  # a new backward accumulates into the same tensor: transformed again
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pre.step()
+
+
+def test_two_attached_preconditioners_on_one_model_are_refused() -> None:
+    """Two preconditioners transformed the gradients twice, silently."""
+    net = make_net()
+    first = BNPPreconditioner(net)
+    with pytest.raises(RuntimeError, match=r"already managed by another attached BNPPreconditioner"):
+        BNPPreconditioner(net)
+    first.detach()
+    second = BNPPreconditioner(net)
+    with pytest.raises(RuntimeError, match="already managed"):
+        first.attach()
+    assert second.attached
