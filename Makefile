@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -p no:cacheprovider
 
-# `make reproduce` regenerates benchmarks/RESULTS.md and benchmarks/results/*.png (about 30 min on
+# `make reproduce` regenerates benchmarks/RESULTS.md and benchmarks/results/*.png (about 75 min on
 # 2 CPU cores); `make bench` runs it and then the other benchmarks, which write into benchmarks/out/.
 reproduce: $(STAMP)
 	$(BIN)/python -m benchmarks.reproduce
