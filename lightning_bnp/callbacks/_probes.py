@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 
 from lightning_bnp.core import metrics as M
+from lightning_bnp.core.layers import weight_leaf as trainable_weight
 from lightning_bnp.core.preconditioner import BNPPreconditioner, _Layer
 from lightning_bnp.core.transform import var_tilde
 
@@ -155,13 +155,6 @@ def is_neuron_layer(module: nn.Module) -> bool:
     if isinstance(module, nn.Linear):
         return True
     return isinstance(module, nn.modules.conv._ConvNd) and not module.transposed
-
-
-def trainable_weight(module: nn.Module) -> Tensor:
-    """The trainable weight: ``parametrizations.weight.original`` for a parametrized layer."""
-    if parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations.weight.original  # type: ignore[union-attr,return-value]
-    return module.weight  # type: ignore[return-value]
 
 
 def learning_rates(trainer: pl.Trainer, *, sgd_only: bool = False) -> dict[int, float]:

@@ -69,9 +69,8 @@ class _Layer:
 
     @property
     def weight(self) -> Tensor:
-        """The trainable weight leaf: ``parametrizations.weight.original`` under
-        ``torch.nn.utils.parametrize`` (e.g. Weight Conditioning), else ``weight``. Looked up at
-        use time, so a parametrization registered after BNP's setup is followed."""
+        """:func:`weight_leaf` of the module, looked up at use time, so a parametrization registered
+        after BNP's setup is followed."""
         return weight_leaf(self.module)
 
     @property
