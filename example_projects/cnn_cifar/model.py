@@ -27,6 +27,7 @@ class CNNClassifier(Classifier):
         optimizer: ``"sgd"`` or ``"adam"`` (the paper used Adam for the vanilla network at batch 128).
         input_shape: image shape (c, h, w); linked from ``data.input_shape`` by the CLI.
         num_classes: number of classes; linked from ``data.num_classes`` by the CLI.
+        compile: ``torch.compile`` the network (the fast path with BNP; README "Cost").
     """
 
     def __init__(
@@ -41,10 +42,17 @@ class CNNClassifier(Classifier):
         optimizer: Literal["sgd", "adam"] = "sgd",
         input_shape: tuple[int, int, int] = (3, 32, 32),
         num_classes: int = 10,
+        compile: bool = False,
     ) -> None:
         c, h, _ = input_shape
         network = cnn5(c, h, num_classes, norm=norm, groups=gn_groups, padding=padding)
         super().__init__(
-            network, lr=lr, momentum=momentum, num_classes=num_classes, weight_decay=weight_decay, optimizer=optimizer
+            network,
+            lr=lr,
+            momentum=momentum,
+            num_classes=num_classes,
+            weight_decay=weight_decay,
+            optimizer=optimizer,
+            compile=compile,
         )
         self.save_hyperparameters()

@@ -24,6 +24,7 @@ class FCClassifier(Classifier):
         optimizer: ``"sgd"`` or ``"adam"``.
         input_shape: image shape (c, h, w); linked from ``data.input_shape`` by the CLI.
         num_classes: number of classes; linked from ``data.num_classes`` by the CLI.
+        compile: ``torch.compile`` the network (the fast path with BNP; README "Cost").
     """
 
     def __init__(
@@ -38,10 +39,17 @@ class FCClassifier(Classifier):
         optimizer: Literal["sgd", "adam"] = "sgd",
         input_shape: tuple[int, int, int] = (1, 28, 28),
         num_classes: int = 10,
+        compile: bool = False,
     ) -> None:
         c, h, w = input_shape
         network = fc_network(c * h * w, num_classes, hidden=hidden, depth=depth, norm=norm)
         super().__init__(
-            network, lr=lr, momentum=momentum, num_classes=num_classes, weight_decay=weight_decay, optimizer=optimizer
+            network,
+            lr=lr,
+            momentum=momentum,
+            num_classes=num_classes,
+            weight_decay=weight_decay,
+            optimizer=optimizer,
+            compile=compile,
         )
         self.save_hyperparameters()

@@ -29,6 +29,7 @@ class OnlineClassifier(Classifier):
         momentum: SGD momentum (paper: plain SGD).
         input_shape: image shape (c, h, w); linked from ``data.input_shape`` by the CLI.
         num_classes: number of classes; linked from ``data.num_classes`` by the CLI.
+        compile: ``torch.compile`` the network (the fast path with BNP; README "Cost").
 
     Raises:
         ValueError: a normalization the network does not support.
@@ -44,6 +45,7 @@ class OnlineClassifier(Classifier):
         momentum: float = 0.0,
         input_shape: tuple[int, int, int] = (1, 28, 28),
         num_classes: int = 10,
+        compile: bool = False,
     ) -> None:
         c, h, w = input_shape
         net: nn.Module
@@ -57,5 +59,5 @@ class OnlineClassifier(Classifier):
             net = cnn5(c, h, num_classes, norm=norm, padding=padding)
         else:
             raise ValueError(f"`network` must be 'fc' or 'cnn5', got {network!r}")
-        super().__init__(net, lr=lr, momentum=momentum, num_classes=num_classes)
+        super().__init__(net, lr=lr, momentum=momentum, num_classes=num_classes, compile=compile)
         self.save_hyperparameters()

@@ -43,6 +43,7 @@ class ResNetClassifier(Classifier):
         lr_decay: the factor applied at each milestone (paper: 0.1).
         input_shape: image shape (c, h, w); linked from ``data.input_shape`` by the CLI.
         num_classes: number of classes; linked from ``data.num_classes`` by the CLI.
+        compile: ``torch.compile`` the network (the fast path with BNP; README "Cost").
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class ResNetClassifier(Classifier):
         lr_decay: float = 0.1,
         input_shape: tuple[int, int, int] = (3, 32, 32),
         num_classes: int = 10,
+        compile: bool = False,
     ) -> None:
         if not 0 < warmup_start_lr <= lr:
             raise ValueError(f"`warmup_start_lr` must be in (0, lr={lr}], got {warmup_start_lr}")
@@ -69,7 +71,9 @@ class ResNetClassifier(Classifier):
         if not 0 < lr_decay <= 1:
             raise ValueError(f"`lr_decay` must be in (0, 1], got {lr_decay}")
         network = cifar_resnet(depth, input_shape[0], num_classes, norm=norm, groups=gn_groups, init_scale=init_scale)
-        super().__init__(network, lr=lr, momentum=momentum, num_classes=num_classes, weight_decay=weight_decay)
+        super().__init__(
+            network, lr=lr, momentum=momentum, num_classes=num_classes, weight_decay=weight_decay, compile=compile
+        )
         self.warmup_start_lr, self.warmup_steps = warmup_start_lr, warmup_steps
         self.milestones, self.lr_decay = list(milestones), lr_decay
         self.save_hyperparameters()

@@ -30,6 +30,7 @@ class WCClassifier(Classifier):
         weight_decay: L2 weight decay.
         input_shape: image shape (c, h, w); linked from ``data.input_shape`` by the CLI.
         num_classes: number of classes; linked from ``data.num_classes`` by the CLI.
+        compile: ``torch.compile`` the network (the fast path with BNP; README "Cost").
 
     Raises:
         ValueError: an unknown network or normalization.
@@ -46,6 +47,7 @@ class WCClassifier(Classifier):
         weight_decay: float = 0.0,
         input_shape: tuple[int, int, int] = (3, 32, 32),
         num_classes: int = 10,
+        compile: bool = False,
     ) -> None:
         if norm not in ("none", "bn"):
             raise ValueError(f"`norm` must be 'none' or 'bn', got {norm!r}")
@@ -57,5 +59,7 @@ class WCClassifier(Classifier):
             net = fc_network(c * h * w, num_classes, norm=norm)
         else:
             raise ValueError(f"`network` must be 'cnn5' or 'mlp', got {network!r}")
-        super().__init__(net, lr=lr, momentum=momentum, num_classes=num_classes, weight_decay=weight_decay)
+        super().__init__(
+            net, lr=lr, momentum=momentum, num_classes=num_classes, weight_decay=weight_decay, compile=compile
+        )
         self.save_hyperparameters()

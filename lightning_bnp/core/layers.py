@@ -27,9 +27,13 @@ class BNPWarning(UserWarning):
 def weight_leaf(module: nn.Module) -> Tensor:
     """The trainable weight: ``parametrizations.weight.original`` under ``torch.nn.utils.parametrize``
     (e.g. Weight Conditioning), else ``weight``."""
-    if parametrize.is_parametrized(module, "weight"):
+    # the fields parametrize and nn.Module keep, read directly: this runs for every layer every step, and
+    # ``parametrize.is_parametrized`` / ``module.weight`` go through nn.Module.__getattr__ (issue 16)
+    parametrizations = module._modules.get("parametrizations")
+    if parametrizations is not None and parametrize.is_parametrized(module, "weight"):
         return module.parametrizations.weight.original  # type: ignore[union-attr,return-value]
-    return module.weight  # type: ignore[return-value]
+    weight = module._parameters.get("weight")
+    return weight if weight is not None else module.weight  # type: ignore[return-value]
 
 
 @dataclass
@@ -61,6 +65,15 @@ class _Layer:
     tied: dict[str, nn.Module] = field(default_factory=dict)  # other modules sharing this weight
     # (weak reference, version) of the gradient the latest step transformed: a second step on it is refused
     transformed_grad: tuple[weakref.ref[Tensor], int] | None = None
+    _zeros: Tensor | None = None
+
+    @property
+    def zero_mean(self) -> Tensor:
+        """μ_H of a layer without bias (always 0): one zero vector per layer, reused every step."""
+        acc = self.running.mean_acc
+        if self._zeros is None or self._zeros.device != acc.device or self._zeros.dtype != acc.dtype:
+            self._zeros = torch.zeros_like(acc)
+        return self._zeros
 
     @property
     def modules(self) -> dict[str, nn.Module]:
@@ -80,7 +93,8 @@ class _Layer:
 
     @property
     def bias(self) -> Tensor | None:
-        return self.module.bias  # type: ignore[return-value]
+        parameters = self.module._parameters  # as in weight_leaf: not through __getattr__
+        return parameters["bias"] if "bias" in parameters else self.module.bias  # type: ignore[return-value]
 
 
 def make_layers(

@@ -43,6 +43,7 @@ their bias too (or both have none), since P couples a weight with its bias (eq. 
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -56,14 +57,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bnp.core.layers import BNPWarning, StepTransform, _Layer, make_layers
+from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.selection import select_layers, validate_layer_types
 from lightning_bnp.core.statistics import (
     Moments,
     RunningStatistics,
+    ema_update,
     moments_of_input,
-    updated_many,
 )
-from lightning_bnp.core.transform import precondition_many_, q_squared, var_tilde_many
+from lightning_bnp.core.transform import precondition_scaled_, q_squared, var_tilde
 from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_patterns
 
 __all__ = [
@@ -148,11 +150,11 @@ def _parameters(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _all_finite(moments: list[Moments]) -> list[bool]:
-    """Whether each layer's pooled mean and m2 are finite: one reduction kernel and one host read."""
-    norms = torch._foreach_norm([m.mean for m in moments] + [m.m2 for m in moments], float("inf"))
-    flags: list[bool] = torch.isfinite(torch.stack(norms)).view(2, -1).all(0).tolist()
-    return flags
+def _accumulator_states(after: Tensor, layout: FeatureLayout, steps: list[int]) -> list[tuple[Tensor, Tensor, int]]:
+    """Per-layer (m, v, t) views of the flat accumulators ``[m ; v]``."""
+    views = after.split_with_sizes(layout.sizes + layout.sizes)
+    count = len(layout.sizes)
+    return list(zip(views[:count], views[count:], steps))
 
 
 class BNPPreconditioner:
@@ -227,12 +229,14 @@ class BNPPreconditioner:
         self.process_group = process_group
         selected = select_layers(model, layer_types, include, exclude)
         self.layers: dict[str, _Layer] = make_layers(model, selected, rho=rho, bias_correction=bias_correction)
+        self._layer_list = list(self.layers.values())
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._collecting = True
         self._generation = 0  # bumped by detach(): forwards from before it never count
         self._warned: set[tuple[str, str]] = set()
         self._pending: dict[int, PendingUpdate] = {}  # per optimizer, committed by its step post-hook
         self._commit_hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self._layouts: dict[tuple[Any, ...], FeatureLayout] = {}
         self.attach()
 
     # ------------------------------------------------------------------ hooks
@@ -297,11 +301,17 @@ class BNPPreconditioner:
             if not (self._collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad):
                 return
             h = args[0] if args else kwargs.get("input")  # nn.Linear / _ConvNd: forward(input)
-            if not isinstance(h, Tensor) or not isinstance(output, Tensor) or output.grad_fn is None:
+            if not isinstance(h, Tensor) or not isinstance(output, Tensor):
                 return
-            with torch.no_grad():
+            if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
                 part = moments_of_input(module, h, output)
-            output.grad_fn.register_prehook(self._count_when_reached(layer, part))
+                layer.moments = part if layer.moments is None else layer.moments.merge(part)
+                return
+            node = output.grad_fn
+            if node is None:
+                return
+            part = moments_of_input(module, h, output)  # on h.detach(): records no graph
+            node.register_prehook(self._count_when_reached(layer, part))
 
         return hook
 
@@ -350,85 +360,145 @@ class BNPPreconditioner:
         is (with a warning): the transform is applied once per gradient.
         """
         if params is None:
-            layers = list(self.layers.values())
+            layers = self._layer_list
         else:
             ids = {id(p) for p in params}
             layers = [layer for layer in self.layers.values() if id(layer.weight) in ids]
         # a layer with no gradient this step did not contribute to it: its statistics are dropped
-        active = [layer for layer in layers if layer.weight.grad is not None and not self._transformed_already(layer)]
+        active, grads = [], []
+        for layer in layers:
+            grad = layer.weight.grad
+            if grad is not None and not self._transformed_already(layer, grad):
+                active.append(layer)
+                grads.append(grad)
         pooled = self._pool(active)
         for layer in layers:
             layer.moments = None
             layer.transform = None
         pending = PendingUpdate()
-        ready = [(layer, m) for layer, m in zip(active, pooled) if m.rows > 0]
-        for layer, m in zip(active, pooled):
-            if m.rows == 0:
+        ready = []
+        for layer, m, grad in zip(active, pooled, grads):
+            if m.rows > 0:
+                ready.append((layer, m, grad))
+            else:
                 self._warn(layer, "never ran", _NEVER_RAN)
-        if ready:
-            self._transform(ready, pending)
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[_Layer, Moments, Tensor]]] = {}
+        for item in ready:  # one flat layout per device and dtype (usually a single group)
+            groups.setdefault((item[1].mean.device, item[1].mean.dtype), []).append(item)
+        for group in groups.values():
+            self._transform(group, pending)
         if commit:
             pending.commit()
         return pending
 
-    def _transformed_already(self, layer: _Layer) -> bool:
+    def _transformed_already(self, layer: _Layer, grad: Tensor) -> bool:
         """Whether the weight's gradient is the one the previous step transformed, unchanged since."""
-        grad, done = layer.weight.grad, layer.transformed_grad
-        if grad is None or done is None or done[0]() is not grad or grad._version != done[1]:
+        done = layer.transformed_grad
+        if done is None or done[0]() is not grad or grad._version != done[1]:
             return False
         self._warn(layer, "twice", _TWICE)
         return True
 
-    def _transform(self, ready: list[tuple[_Layer, Moments]], pending: PendingUpdate) -> None:
-        """Steps 2–4 for every layer of the step at once (``torch._foreach_*`` kernels)."""
-        mus, variances = self._statistics_for_step(ready, pending)
-        var_ts = var_tilde_many(variances, self.eps1, self.eps2)
-        grads_w: list[Tensor] = [layer.weight.grad for layer, _ in ready]  # type: ignore[misc]  # active: not None
-        grads_b = [layer.bias.grad if layer.bias is not None else None for layer, _ in ready]
-        mus_used = [mu if grad_b is not None else None for mu, grad_b in zip(mus, grads_b)]
-        q2s = [q_squared(layer.fan_in, m.samples, m.out_positions / m.samples) for layer, m in ready]
-        groups = [layer.groups for layer, _ in ready]
-        precondition_many_(grads_w, grads_b, mus_used, var_ts, q2s, groups)
-        for (layer, _), mu, var_t, q2, grad_w in zip(ready, mus_used, var_ts, q2s, grads_w):
-            layer.transform = StepTransform(mu, var_t, q2, layer.groups)
+    def _transform(self, ready: list[tuple[_Layer, Moments, Tensor]], pending: PendingUpdate) -> None:
+        """Steps 2–4 for every layer of the step at once (flat statistics, ``torch._foreach_*`` gradients)."""
+        layout = self._layout([layer for layer, _, _ in ready], ready[0][1].mean)
+        mu, var = self._statistics_for_step(ready, layout, pending)
+        var_t = var_tilde(var, self.eps1, self.eps2, maxima=layout.layer_max(var))
+        grads_b, q2s, groups = [], [], []
+        for layer, m, _ in ready:
+            grads_b.append(layer.bias.grad if layer.has_bias else None)  # type: ignore[union-attr]
+            q2s.append(q_squared(layer.fan_in, m.samples, m.out_positions / m.samples))
+            groups.append(layer.groups)
+        mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
+        scales = layout.split(var_t * layout.per_layer_cached(q2s))  # q²σ̃², all layers in one product
+        precondition_scaled_([grad for _, _, grad in ready], grads_b, mus, scales, q2s, groups)
+        for (layer, _, grad_w), mu_l, var_t_l, q2 in zip(ready, mus, layout.split(var_t), q2s):
+            layer.transform = StepTransform(mu_l, var_t_l, q2, layer.groups)
             layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)
 
+    def _layout(self, layers: list[_Layer], like: Tensor) -> FeatureLayout:
+        """The flat layout of ``layers``' features, built once per set of layers, device and dtype."""
+        key = (tuple(layer.name for layer in layers), like.device, like.dtype)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= 16:
+                self._layouts.pop(next(iter(self._layouts)))
+            sizes = [layer.features for layer in layers]
+            layout = self._layouts[key] = FeatureLayout(
+                sizes, [layer.has_bias for layer in layers], like.device, like.dtype
+            )
+        return layout
+
     def _statistics_for_step(
-        self, ready: list[tuple[_Layer, Moments]], pending: PendingUpdate
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        """μ and σ² that P uses this step (Alg. 2/3 steps 1–2), per layer."""
-        moments = [m for _, m in ready]
-        runnings = [layer.running for layer, _ in ready]
-        for running, m in zip(runnings, moments):
-            running.to(m.mean.device, m.mean.dtype)
-        mus_h = [m.mean for m in moments]
-        vars_h = list(torch._foreach_div([m.m2 for m in moments], [float(m.rows) for m in moments]))  # σ²_H
-        for i, (layer, m) in enumerate(ready):
-            if not layer.has_bias:  # uncentred second moment; μ stays 0 (module docstring)
-                vars_h[i].addcmul_(m.mean, m.mean)
-                mus_h[i] = torch.zeros_like(m.mean)
-            elif m.rows == 1:  # N = 1: σ²_H = (h − μ)² with the running μ before this step's update
-                vars_h[i] = (m.mean - layer.running.mu).square()
-            if m.rows == 1 and self.statistics == "batch":
-                raise ValueError(
-                    f"statistics='batch' needs more than one row of input per step, but layer "
-                    f"{layer.name!r} saw 1; use statistics='running' for batch size 1"
-                )
+        self, ready: list[tuple[_Layer, Moments, Tensor]], layout: FeatureLayout, pending: PendingUpdate
+    ) -> tuple[Tensor, Tensor]:
+        """μ and σ² that P uses this step (Alg. 2/3 steps 1–2), all layers in one flat vector each."""
+        moments = [m for _, m, _ in ready]
+        total = layout.total
+        # [μ_H ; σ²_H] of every layer
+        batch = torch.cat([m.mean for m in moments] + [m.var for m in moments])
+        mu_h, var_h = batch[:total], batch[total:]
+        single = [i for i, m in enumerate(moments) if m.rows == 1]
+        if single and self.statistics == "batch":
+            raise ValueError(
+                f"statistics='batch' needs more than one row of input per step, but layer "
+                f"{ready[single[0]][0].name!r} saw 1; use statistics='running' for batch size 1"
+            )
+        for i in single:  # N = 1: σ²_H = (h − μ)² with the running μ before this step's update
+            layer = ready[i][0]
+            if layer.has_bias:
+                part = layout.slice(i)
+                var_h[part] = (mu_h[part] - layer.running.mu.to(mu_h.device, mu_h.dtype)).square()
+        if layout.uncentred_mask is not None:  # no bias: uncentred second moment σ²_H + μ_H², and μ stays 0
+            mu_uncentred = mu_h * layout.uncentred_mask
+            var_h.addcmul_(mu_uncentred, mu_uncentred)
+            mu_h.sub_(mu_uncentred)
         if self.statistics == "batch":
-            return mus_h, vars_h
-        states = updated_many(runnings, mus_h, vars_h)
-        for i, finite in enumerate(_all_finite(moments)):
-            if not finite:  # a NaN/Inf sample: keep the committed statistics for this step
-                running = runnings[i]
-                states[i] = (running.mean_acc, running.var_acc, running.steps)
-                self._warn(ready[i][0], "non-finite", _NON_FINITE)
-        pending.items.extend(zip(runnings, states))
-        coefficients = [running.view_coefficients(steps) for running, (_, _, steps) in zip(runnings, states)]
-        scales = [scale for scale, _ in coefficients]
-        mus = list(torch._foreach_mul([m for m, _, _ in states], scales))
-        variances = list(torch._foreach_mul([v for _, v, _ in states], scales))
-        torch._foreach_add_(variances, [shift for _, shift in coefficients])
-        return mus, variances
+            return mu_h, var_h
+        runnings = [layer.running for layer, _, _ in ready]
+        # [m ; v] accumulators, m ← ρm + (1−ρ)μ_H, v ← ρv + (1−ρ)σ²_H
+        before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings])
+        if before.device != batch.device or before.dtype != batch.dtype:  # the model was moved or cast
+            for running in runnings:
+                running.to(batch.device, batch.dtype)
+            before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings])
+        after = ema_update(before, batch, self.rho)
+        steps = [r.steps + 1 for r in runnings]
+        if not math.isfinite(batch.sum(dtype=torch.float64).item()):  # a NaN/Inf sample somewhere
+            self._keep_non_finite(ready, layout, batch, before, after, steps)
+        pending.items.extend(zip(runnings, _accumulator_states(after, layout, steps)))
+        scale: float | Tensor
+        shift: float | Tensor
+        if steps.count(steps[0]) == len(steps):  # every layer at the same step t: scalars
+            scale, shift = runnings[0].view_coefficients(steps[0])
+        else:
+            coefficients = [running.view_coefficients(t) for running, t in zip(runnings, steps)]
+            scale = layout.per_layer([scale for scale, _ in coefficients])
+            shift = layout.per_layer([shift for _, shift in coefficients])
+        if self.bias_correction:  # μ = m/(1 − ρ^t), σ² = v/(1 − ρ^t)
+            view = after * (scale if isinstance(scale, float) else scale.repeat(2))
+            return view[:total], view[total:]
+        return after[:total], after[total:] + shift  # the paper's view: μ = m, σ² = v + ρ^t
+
+    def _keep_non_finite(
+        self,
+        ready: list[tuple[_Layer, Moments, Tensor]],
+        layout: FeatureLayout,
+        batch: Tensor,
+        before: Tensor,
+        after: Tensor,
+        steps: list[int],
+    ) -> None:
+        """Layers whose batch statistics are not finite keep their committed accumulators (and step count)."""
+        total = layout.total
+        for i, (layer, _, _) in enumerate(ready):
+            part = layout.slice(i)
+            var_part = slice(part.start + total, part.stop + total)
+            if torch.isfinite(batch[part]).all() and torch.isfinite(batch[var_part]).all():
+                continue
+            after[part], after[var_part] = before[part], before[var_part]
+            steps[i] -= 1
+            self._warn(layer, "non-finite", _NON_FINITE)
 
     def _pool(self, layers: list[_Layer]) -> list[Moments]:
         """This step's moments per layer, pooled over ranks when syncing (one collective)."""

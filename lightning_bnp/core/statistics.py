@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Moments", "RunningStatistics", "moments_of_input", "statistics_dtype", "updated_many"]
+__all__ = ["Moments", "RunningStatistics", "ema_update", "moments_of_input", "statistics_dtype"]
 
 
 @dataclass
@@ -35,15 +35,20 @@ class Moments:
         samples: the paper's N — rows for Linear, batch entries for ConvNd.
         out_positions: output positions summed over samples (ConvNd; equals ``samples`` for Linear).
             ``out_positions / samples`` is the r·s of q² in Alg. 3 step 3.
-        mean: per-feature / per-input-channel mean (float32, or float64 for float64 inputs).
-        m2: per-feature centred sum of squares Σ(h − mean)², same dtype.
+        mean: per-feature / per-input-channel mean μ_H (float32, or float64 for float64 inputs).
+        var: per-feature biased (1/n) variance σ²_H of eq. 13 / 22, same dtype.
     """
 
     rows: int
     samples: int
     out_positions: int
     mean: Tensor
-    m2: Tensor
+    var: Tensor
+
+    @property
+    def m2(self) -> Tensor:
+        """Centred sum of squares Σ(h − mean)² = rows · σ²_H."""
+        return self.var * self.rows
 
     def merge(self, other: Moments) -> Moments:
         """Combine two disjoint parts (Chan, Golub & LeVeque pairwise update)."""
@@ -54,32 +59,23 @@ class Moments:
         n = self.rows + other.rows
         delta = other.mean - self.mean
         mean = self.mean + delta * (other.rows / n)
-        m2 = self.m2 + other.m2 + delta.square() * (self.rows * other.rows / n)
-        return Moments(
-            self.rows + other.rows,
-            self.samples + other.samples,
-            self.out_positions + other.out_positions,
-            mean,
-            m2,
-        )
-
-    @property
-    def var(self) -> Tensor:
-        """Biased (1/n) variance σ²_H of eq. 13 / 22."""
-        return self.m2 / self.rows
+        # m2 = m2_a + m2_b + δ²·n_a·n_b/n, divided by n
+        var = torch.lerp(self.var, other.var, other.rows / n)
+        var.addcmul_(delta, delta, value=self.rows * other.rows / n**2)
+        return Moments(n, self.samples + other.samples, self.out_positions + other.out_positions, mean, var)
 
     def pack(self) -> Tensor:
-        """Flatten to one float64 vector ``[rows, samples, out_positions, mean…, m2…]`` (for collectives)."""
+        """Flatten to one float64 vector ``[rows, samples, out_positions, mean…, var…]`` (for collectives)."""
         head = torch.tensor([self.rows, self.samples, self.out_positions], dtype=torch.float64, device=self.mean.device)
-        return torch.cat([head, self.mean.double(), self.m2.double()])
+        return torch.cat([head, self.mean.double(), self.var.double()])
 
     @staticmethod
     def unpack(flat: Tensor, features: int, dtype: torch.dtype) -> Moments:
         """Inverse of :meth:`pack` for a vector of ``3 + 2·features`` entries."""
         rows, samples, positions = (int(v) for v in flat[:3].tolist())
         mean = flat[3 : 3 + features].to(dtype)
-        m2 = flat[3 + features : 3 + 2 * features].to(dtype)
-        return Moments(rows, samples, positions, mean, m2)
+        var = flat[3 + features : 3 + 2 * features].to(dtype)
+        return Moments(rows, samples, positions, mean, var)
 
     @staticmethod
     def empty(features: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Moments:
@@ -98,31 +94,49 @@ def moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
     Linear: per input feature over all leading dimensions (a (B, T, F) input gives B·T rows).
     ConvNd: per input channel over batch and all spatial positions (eqs. 21–22); unbatched
     (C, *spatial) inputs count as a batch of one.
+
+    Mean and biased variance come from ATen's fused ``batch_norm_update_stats`` (the statistics pass
+    of BatchNorm's training forward, without its output): one kernel launch per forward call of a
+    convolution and two for a Linear layer, instead of four for a two-pass mean and Σ(h − mean)²
+    (issue 16). For convolutions it accumulates in double on CPU and with Welford's update on CUDA.
     """
     h = h.detach()
+    if h.numel() == 0:  # an empty batch contributes nothing (the fused kernel refuses it)
+        features = layer.in_features if isinstance(layer, nn.Linear) else int(layer.in_channels)  # type: ignore[arg-type]
+        return Moments.empty(features, h.device, statistics_dtype(h.dtype))
+    if h.dtype not in (torch.float32, torch.float64):
+        h = h.float()  # half / bfloat16 (autocast): statistics in float32
+    if torch.compiler.is_compiling():  # traced: one fusable reduction (the fused kernel has no fake-tensor rule)
+        return _traceable_moments(layer, h, output)
     if isinstance(layer, nn.Linear):
-        x = h.reshape(-1, h.shape[-1]).to(statistics_dtype(h.dtype))
-        mean, m2 = _mean_and_m2(x, [0])
+        x = h.reshape(-1, h.shape[-1])
         rows = x.shape[0]
-        return Moments(rows, rows, rows, mean, m2)
+        # ATen's 2-D (rows, features) statistics kernel sums the mean in float32 one row after another
+        # (a few ULPs off when |μ| ≫ σ); ``mean(0)``'s cascade sum is exact to an ULP. The variance is
+        # centred on the kernel's own mean, which is accurate enough for it.
+        _, var = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
+        return Moments(rows, rows, rows, x.mean(0), var)
     assert isinstance(layer, nn.modules.conv._ConvNd)
-    spatial_dims = len(layer.kernel_size)
-    if h.dim() == spatial_dims + 1:  # unbatched input
+    if h.dim() == len(layer.kernel_size) + 1:  # unbatched input
         h, output = h.unsqueeze(0), output.unsqueeze(0)
-    x = h.to(statistics_dtype(h.dtype))
-    mean, m2 = _mean_and_m2(x, [0, *range(2, x.dim())])
-    rows = x.numel() // x.shape[1]
-    samples = x.shape[0]
-    out_positions = samples * math.prod(output.shape[2:])
-    return Moments(rows, samples, out_positions, mean, m2)
+    samples, channels = h.shape[0], h.shape[1]
+    mean, var = torch.ops.aten.batch_norm_update_stats(h, None, None, 0.0)
+    return Moments(h.numel() // channels, samples, samples * math.prod(output.shape[2:]), mean, var)
 
 
-def _mean_and_m2(x: Tensor, dims: list[int]) -> tuple[Tensor, Tensor]:
-    """Mean and centred Σ(x − mean)² over ``dims`` by two passes: as accurate as ``torch.var_mean``
-    and 3–8× faster on CPU for these reductions (benchmarks/overhead.py)."""
-    mean = x.mean(dims, keepdim=True)
-    m2 = (x - mean).square_().sum(dims)
-    return mean.view(-1), m2
+def _traceable_moments(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
+    """:func:`moments_of_input` from ``torch.var_mean``, for ``torch.compile``: inductor fuses it into the
+    forward's kernels, where it costs no launch of its own."""
+    if isinstance(layer, nn.Linear):
+        x = h.reshape(-1, h.shape[-1])
+        var, mean = torch.var_mean(x, 0, correction=0)
+        return Moments(x.shape[0], x.shape[0], x.shape[0], mean, var)
+    assert isinstance(layer, nn.modules.conv._ConvNd)
+    if h.dim() == len(layer.kernel_size) + 1:
+        h, output = h.unsqueeze(0), output.unsqueeze(0)
+    var, mean = torch.var_mean(h, [0, *range(2, h.dim())], correction=0)
+    samples = h.shape[0]
+    return Moments(h.numel() // h.shape[1], samples, samples * math.prod(output.shape[2:]), mean, var)
 
 
 class RunningStatistics:
@@ -192,8 +206,7 @@ class RunningStatistics:
 
     def updated(self, mu_h: Tensor, var_h: Tensor) -> tuple[Tensor, Tensor, int]:
         """Accumulator state after one step with batch statistics (μ_H, σ²_H); does not commit."""
-        (state,) = updated_many([self], [mu_h], [var_h])
-        return state
+        return ema_update(self.mean_acc, mu_h, self.rho), ema_update(self.var_acc, var_h, self.rho), self.steps + 1
 
     def assign(self, mean_acc: Tensor, var_acc: Tensor, steps: int) -> None:
         self.mean_acc, self.var_acc, self.steps = mean_acc, var_acc, steps
@@ -221,12 +234,7 @@ class RunningStatistics:
         self.steps = int(state["steps"])  # type: ignore[call-overload]
 
 
-def updated_many(
-    runnings: list[RunningStatistics], mus_h: list[Tensor], vars_h: list[Tensor]
-) -> list[tuple[Tensor, Tensor, int]]:
-    """:meth:`RunningStatistics.updated` for several layers sharing ρ, with ``torch._foreach_lerp``:
-    m ← ρm + (1−ρ)μ_H, v ← ρv + (1−ρ)σ²_H (Alg. 2/3 step 2)."""
-    weight = 1.0 - runnings[0].rho
-    mean_accs = torch._foreach_lerp([r.mean_acc for r in runnings], mus_h, weight)
-    var_accs = torch._foreach_lerp([r.var_acc for r in runnings], vars_h, weight)
-    return [(m, v, r.steps + 1) for m, v, r in zip(mean_accs, var_accs, runnings)]
+def ema_update(accumulator: Tensor, batch: Tensor, rho: float) -> Tensor:
+    """m ← ρm + (1−ρ)x (Alg. 2/3 step 2), out of place; works on one layer's vector or on the flat
+    vector of all layers' [m ; v] accumulators."""
+    return torch.lerp(accumulator, batch, 1.0 - rho)

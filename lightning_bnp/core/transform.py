@@ -21,26 +21,24 @@ Layers without bias have no centring direction: P = diag(1/σ̃) and only the fi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["precondition_", "precondition_many_", "q_squared", "var_tilde", "var_tilde_many"]
+__all__ = ["precondition_", "precondition_many_", "precondition_scaled_", "q_squared", "var_tilde"]
 
 
-def var_tilde(var: Tensor, eps1: float, eps2: float) -> Tensor:
-    """σ̃² = σ² + ε1·max(σ²) + ε2 (Alg. 2/3 step 3)."""
-    return var_tilde_many([var], eps1, eps2)[0]
+def var_tilde(var: Tensor, eps1: float, eps2: float, maxima: Tensor | None = None) -> Tensor:
+    """σ̃² = σ² + ε1·max(σ²) + ε2 (Alg. 2/3 step 3).
 
-
-def var_tilde_many(variances: Sequence[Tensor], eps1: float, eps2: float) -> list[Tensor]:
-    """:func:`var_tilde` of several layers with ``torch._foreach_*`` kernels."""
-    floors = torch._foreach_max(list(variances))  # max(σ²) per layer, 0-d
-    torch._foreach_mul_(floors, eps1)
-    torch._foreach_add_(floors, eps2)
-    return list(torch._foreach_add(list(variances), floors))
+    ``maxima``: when ``var`` holds several layers one after another, each entry's own layer's max(σ²)
+    (:meth:`~lightning_bnp.core.layout.FeatureLayout.layer_max`); by default the max of all of ``var``.
+    """
+    floor = var.max() if maxima is None else maxima
+    return torch.add(var, floor, alpha=eps1).add_(eps2)
 
 
 def q_squared(fan_in: int, samples: int, out_positions_per_sample: float) -> float:
@@ -54,15 +52,22 @@ def q_squared(fan_in: int, samples: int, out_positions_per_sample: float) -> flo
     return max(fan_in / samples, math.sqrt(out_positions_per_sample))
 
 
-def _per_weight_view(vec: Tensor, grad_w: Tensor, groups: int) -> Tensor:
-    """Broadcast a per-input-channel vector (length c_in) onto ``grad_w`` of shape (out, c_in/groups, *k)."""
-    out, cin_g = grad_w.shape[0], grad_w.shape[1]
-    trailing = (1,) * (grad_w.dim() - 2)
-    if groups == 1:
-        return vec.view(1, cin_g, *trailing)
-    # output channel o belongs to group o // (out / groups) and sees input channels of that group only
-    per_out = vec.view(groups, 1, cin_g).expand(groups, out // groups, cin_g).reshape(out, cin_g)
-    return per_out.view(out, cin_g, *trailing)
+@functools.lru_cache(maxsize=512)
+def _broadcast_shapes(
+    shape: tuple[int, ...], groups: int
+) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, tuple[int, ...]]:
+    """How a weight gradient of ``shape`` meets per-input-channel vectors (c_in,) and its bias gradient (out,).
+
+    Returns ``(gradient view, channel-vector view, bias view)``, ``None`` where the tensor is used as it
+    is. With groups, the gradient is viewed as (groups, out/groups, c_in/groups, *k): output channel o
+    belongs to group o // (out/groups) and sees that group's input channels only. Cached per shape: the
+    step runs this for every layer every step (issue 16).
+    """
+    out, cin_g, kernel = shape[0], shape[1], shape[2:]
+    ones = (1,) * len(kernel)
+    if groups == 1:  # Linear: a (c_in,) vector broadcasts against (out, c_in) as it is
+        return None, ((cin_g, *ones) if kernel else None), (out, 1, *ones)
+    return (groups, out // groups, cin_g, *kernel), (groups, 1, cin_g, *ones), (groups, out // groups, 1, *ones)
 
 
 @torch.no_grad()
@@ -100,27 +105,44 @@ def precondition_many_(
 
     A layer is centred (has the μ block of P) when both its ``grads_b`` and ``mus`` entries are given.
     """
-    dtype = grads_w[0].dtype
-    # 1/(q² σ̃²) in the statistics' dtype (float32 or float64), applied in the gradient's dtype
-    inv = torch._foreach_mul(list(var_ts), list(q2s))
-    torch._foreach_reciprocal_(inv)
-    inv_w = [_per_weight_view(v.to(g.dtype), g, k) for v, g, k in zip(inv, grads_w, groups)]
-    centred = [i for i, (gb, mu) in enumerate(zip(grads_b, mus)) if gb is not None and mu is not None]
-    gw_c = [grads_w[i] for i in centred]
-    gb_c: list[Tensor] = [grads_b[i] for i in centred]  # type: ignore[misc]
-    mu_w = [_per_weight_view(mus[i].to(dtype), grads_w[i], groups[i]) for i in centred]  # type: ignore[union-attr]
-    if centred:  # G_w − μ_j G_b[i]
-        gb_views = [gb.view(-1, *(1,) * (gw.dim() - 1)) for gb, gw in zip(gb_c, gw_c)]
-        torch._foreach_addcmul_(gw_c, mu_w, gb_views, value=-1.0)
-    torch._foreach_mul_(list(grads_w), inv_w)  # ÷ q²σ̃²_j
-    if not centred:
-        return
-    corrections = []  # Σ_j μ_j G_w_new[i, j] over input channels and kernel positions
-    for i, gw, mw in zip(centred, gw_c, mu_w):
-        kernel_sum = gw.flatten(2).sum(-1) if gw.dim() > 2 else gw  # (out, c_in/groups)
-        if groups[i] == 1:
-            corrections.append(kernel_sum @ mw.reshape(-1))
-        else:
-            corrections.append((kernel_sum * mw.reshape(kernel_sum.shape)).sum(1))
-    torch._foreach_div_(gb_c, [q2s[i] for i in centred])
-    torch._foreach_sub_(gb_c, corrections)
+    # q² σ̃² in the statistics' dtype (float32 or float64)
+    precondition_scaled_(grads_w, grads_b, mus, torch._foreach_mul(list(var_ts), list(q2s)), q2s, groups)
+
+
+def precondition_scaled_(
+    grads_w: Sequence[Tensor],
+    grads_b: Sequence[Tensor | None],
+    mus: Sequence[Tensor | None],
+    scales: Sequence[Tensor],
+    q2s: Sequence[float],
+    groups: Sequence[int],
+) -> None:
+    """:func:`precondition_many_` given ``scales`` = q²·σ̃² per layer (the step computes them for all layers
+    in one flat product). Every elementwise step is one foreach call for all layers, on views that need no
+    copy; the bias update is one matrix–vector product per centred layer (issue 16)."""
+    with torch.no_grad():
+        gw, scale_w, centred, mu_w, gb_w = [], [], [], [], []
+        for i, (g, k, scale, gb, mu) in enumerate(zip(grads_w, groups, scales, grads_b, mus)):
+            g_shape, v_shape, b_shape = _broadcast_shapes(tuple(g.shape), k)
+            g = g if g_shape is None else g.view(g_shape)
+            scale = scale if scale.dtype == g.dtype else scale.to(g.dtype)  # applied in the gradient's dtype
+            gw.append(g)
+            scale_w.append(scale if v_shape is None else scale.view(v_shape))
+            if gb is not None and mu is not None:
+                mu = mu if mu.dtype == g.dtype else mu.to(g.dtype)
+                centred.append(i)
+                mu_w.append(mu if v_shape is None else mu.view(v_shape))
+                gb_w.append(gb.view(b_shape))
+        if centred:  # G_w − μ_j G_b[i]
+            torch._foreach_addcmul_([gw[i] for i in centred], mu_w, gb_w, value=-1.0)
+        torch._foreach_div_(gw, scale_w)  # ÷ q²σ̃²_j
+        for i, mu in zip(centred, mu_w):  # G_b ← G_b/q² − Σ_j μ_j G_w_new[i, j]
+            g, grad_b, beta = gw[i], grads_b[i], 1.0 / q2s[i]
+            assert grad_b is not None
+            if groups[i] == 1:  # kernel positions summed first: (out, c_in)
+                per_channel = g if g.dim() == 2 else g.flatten(2).sum(-1)
+                grad_b.addmv_(per_channel, mu if mu.dim() == 1 else mu.view(-1), beta=beta, alpha=-1.0)
+            else:  # per group: (groups, out/g, c_in/g) @ (groups, c_in/g, 1)
+                per_channel = g.flatten(3).sum(-1)
+                mu_g = mu.reshape(g.shape[0], g.shape[2], 1)
+                grad_b.view(g.shape[0], g.shape[1], 1).baddbmm_(per_channel, mu_g, beta=beta, alpha=-1.0)

@@ -9,12 +9,15 @@ up by the glob.
 from __future__ import annotations
 
 import importlib
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch._dynamo
 import yaml
 from lightning.pytorch.callbacks import LearningRateMonitor
 
@@ -179,3 +182,39 @@ def test_data_shape_is_linked_into_the_model(tmp_path: Path) -> None:
     cli = _cli_main("cnn_cifar")(["--data.dataset=mnist5k"], run=False)
     assert cli.model.hparams["input_shape"] == (1, 28, 28)
     assert cli.model.hparams["num_classes"] == 10
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor needs a C++ compiler")
+def test_compile_option_trains_like_eager(tmp_path: Path) -> None:
+    """``--model.compile=true`` (issue 16's fast path) with the BNP callback: same weights and statistics as eager."""
+    config = ROOT / "example_projects/fc_mnist/configs/bnp.yaml"
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        cli = _cli_main("fc_mnist")(
+            [
+                "fit",
+                "--config",
+                str(config),
+                f"--model.compile={str(compiled).lower()}",
+                "--trainer.max_steps=3",
+                "--trainer.limit_val_batches=0",
+                "--trainer.logger=false",
+                "--trainer.enable_checkpointing=false",
+                "--trainer.accelerator=cpu",
+                f"--trainer.default_root_dir={tmp_path / str(compiled)}",
+                "--data.dataset=mnist5k",
+                "--seed_everything=3",
+                *QUIET,
+            ]
+        )
+        bnp = next(cb for cb in cli.trainer.callbacks if isinstance(cb, BatchNormPreconditioning))
+        assert bnp.preconditioner is not None
+        runs[compiled] = (cli.model.network.state_dict(), bnp.preconditioner.state_dict()["layers"])
+    (eager_weights, eager_stats), (compiled_weights, compiled_stats) = runs[False], runs[True]
+    assert set(compiled_weights) == set(eager_weights)  # the compiled module adds no names
+    for name, value in eager_weights.items():
+        torch.testing.assert_close(compiled_weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    for name, state in eager_stats.items():
+        assert compiled_stats[name]["steps"] == state["steps"] == 3
+        torch.testing.assert_close(compiled_stats[name]["var_acc"], state["var_acc"], rtol=1e-4, atol=1e-6, msg=name)

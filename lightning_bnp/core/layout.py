@@ -1,0 +1,69 @@
+"""All managed layers' per-feature statistics as one flat vector per quantity (issue 16).
+
+A step of :class:`~lightning_bnp.core.preconditioner.BNPPreconditioner` works on μ, σ², σ̃² of every
+layer at once: layer l's c_in features occupy entries ``[offset_l, offset_l + c_in)`` of one vector,
+so that each step of Alg. 2/3 (the running update, the floor ε1·max σ², the N = 1 rule …) is one
+kernel launch for all layers instead of one per layer — on a GPU each launch costs host time that
+the small vectors themselves do not. Per-layer maxima are one ``segment_reduce``; a per-layer
+scalar (q², the floor) reaches its layer's entries through one ``index_select``.
+
+The index tensors are built once per set of layers stepped together and reused every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["FeatureLayout"]
+
+
+class FeatureLayout:
+    """Where each layer's features sit in the flat vectors of one step.
+
+    Args:
+        sizes: features (c_in or in_features) per layer, in step order.
+        centred: per layer, whether it has the centring block of P (a bias).
+        device: where the statistics live.
+        dtype: the statistics' dtype (float32, or float64 for float64 models).
+    """
+
+    def __init__(self, sizes: Sequence[int], centred: Sequence[bool], device: torch.device, dtype: torch.dtype) -> None:
+        self.sizes = list(sizes)
+        self.total = sum(self.sizes)
+        self.lengths = torch.tensor(self.sizes, device=device)
+        # owner[k]: the layer of entry k
+        self.owner = torch.repeat_interleave(torch.arange(len(self.sizes), device=device), self.lengths)
+        self.device, self.dtype = device, dtype
+        # 1 on the entries of layers without a bias, 0 elsewhere; None when every layer has one
+        self.uncentred_mask = None if all(centred) else self.per_layer([float(not c) for c in centred])
+        self._cache: dict[tuple[float, ...], Tensor] = {}
+
+    def per_layer(self, values: Sequence[float]) -> Tensor:
+        """A vector holding ``values[l]`` on every entry of layer l."""
+        return torch.tensor(values, dtype=self.dtype, device=self.device).index_select(0, self.owner)
+
+    def per_layer_cached(self, values: Sequence[float]) -> Tensor:
+        """:meth:`per_layer` for values that rarely change from step to step (q², the view's scale):
+        built once per distinct tuple (the last 8 kept)."""
+        key = tuple(values)
+        found = self._cache.get(key)
+        if found is None:
+            if len(self._cache) >= 8:
+                self._cache.pop(next(iter(self._cache)))
+            found = self._cache[key] = self.per_layer(key)
+        return found
+
+    def layer_max(self, flat: Tensor) -> Tensor:
+        """max over each layer's entries, broadcast back onto them."""
+        return torch.segment_reduce(flat, "max", lengths=self.lengths).index_select(0, self.owner)
+
+    def split(self, flat: Tensor) -> tuple[Tensor, ...]:
+        """Per-layer views of a flat vector (no copy)."""
+        return flat.split_with_sizes(self.sizes)
+
+    def slice(self, layer: int) -> slice:
+        start = sum(self.sizes[:layer])
+        return slice(start, start + self.sizes[layer])

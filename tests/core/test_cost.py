@@ -1,0 +1,124 @@
+"""Issue 16: what a BNP step dispatches (counted, never timed), and the flat step against a per-layer
+reference built from the single-layer functions (running view, σ̃², eq. 15/23 transform)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from benchmarks.op_count import added_ops, standard_models
+from lightning_bnp.core import BNPPreconditioner
+from lightning_bnp.core.layout import FeatureLayout
+from lightning_bnp.core.statistics import moments_of_input
+from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
+
+
+@pytest.mark.parametrize("name", list(standard_models()))
+def test_bnp_adds_at_most_two_aten_ops_per_layer_plus_twenty(name: str) -> None:
+    make, x, y = standard_models()[name]
+    added, layers = added_ops(make, x, y)
+    assert added <= 2 * layers + 20, f"{name}: {added} aten ops for {layers} layers"
+
+
+def test_feature_layout_maxima_and_per_layer_values() -> None:
+    layout = FeatureLayout([3, 1, 2], [True, False, True], torch.device("cpu"), torch.float64)
+    flat = torch.tensor([1.0, 5.0, 2.0, -7.0, 0.5, 0.25], dtype=torch.float64)
+    torch.testing.assert_close(
+        layout.layer_max(flat), torch.tensor([5.0, 5.0, 5.0, -7.0, 0.5, 0.5], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        layout.per_layer([2.0, 3.0, 4.0]), torch.tensor([2.0, 2, 2, 3, 4, 4], dtype=torch.float64)
+    )
+    assert layout.uncentred_mask is not None and layout.uncentred_mask.tolist() == [0, 0, 0, 1, 0, 0]
+    assert [t.tolist() for t in layout.split(flat)] == [[1.0, 5.0, 2.0], [-7.0], [0.5, 0.25]]
+
+
+class Mixed(nn.Module):
+    """A conv without bias, a grouped conv with bias and two Linear layers, one of them used only on
+    some steps (so that the layers reach different step counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1, bias=False)
+        self.grouped = nn.Conv2d(4, 4, 3, stride=2, groups=2)
+        self.fc = nn.Linear(36, 3)
+        self.side = nn.Linear(36, 3)
+
+    def forward(self, x: Tensor, use_side: bool) -> Tensor:
+        h = torch.relu(self.grouped(torch.relu(self.conv(x)))).flatten(1)
+        return self.fc(h) + (self.side(h) if use_side else 0.0)
+
+
+def reference_step(
+    model: Mixed, state: dict[str, tuple[Tensor, Tensor, int]], x: Tensor, use_side: bool, rho: float, eps: tuple
+) -> dict[str, Tensor]:
+    """Alg. 2/3 layer by layer with the single-layer functions; returns the transformed gradients."""
+    inputs: dict[str, Tensor] = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, a, out, name=name: inputs.__setitem__(name, (mod, a[0], out)))
+        for name, m in model.named_children()
+    ]
+    model.zero_grad()
+    model(x, use_side).square().sum().backward()
+    for h in hooks:
+        h.remove()
+    grads = {}
+    for name, (module, h, out) in inputs.items():
+        m = moments_of_input(module, h.detach(), out)
+        mean_acc, var_acc, steps = state[name]
+        has_bias = module.bias is not None
+        mu_h = m.mean if has_bias else torch.zeros_like(m.mean)
+        var_h = m.var if has_bias else m.var + m.mean.square()
+        mean_acc = rho * mean_acc + (1 - rho) * mu_h
+        var_acc = rho * var_acc + (1 - rho) * var_h
+        steps += 1
+        state[name] = (mean_acc, var_acc, steps)
+        mu, var = mean_acc, var_acc + rho**steps  # the paper's view
+        gw, gb = module.weight.grad.clone(), module.bias.grad.clone() if has_bias else None
+        q2 = q_squared(module.weight[0].numel(), m.samples, m.out_positions / m.samples)
+        precondition_(gw, gb, mu if has_bias else None, var_tilde(var, *eps), q2, getattr(module, "groups", 1))
+        grads[f"{name}.weight"] = gw
+        if gb is not None:
+            grads[f"{name}.bias"] = gb
+    return grads
+
+
+def test_flat_step_equals_layer_by_layer_reference_with_mixed_layers_and_step_counts() -> None:
+    torch.manual_seed(0)
+    model, reference = Mixed().double(), Mixed().double()
+    reference.load_state_dict(model.state_dict())
+    rho, eps = 0.9, (1e-2, 1e-4)
+    pre = BNPPreconditioner(model, rho=rho, eps1=eps[0], eps2=eps[1])
+    state = {name: (torch.zeros(lay.features, dtype=torch.float64),) * 2 + (0,) for name, lay in pre.layers.items()}
+    g = torch.Generator().manual_seed(1)
+    for step, use_side in enumerate([True, False, False, True, True]):
+        x = torch.randn(3, 2, 8, 8, generator=g, dtype=torch.float64) * 2 + 1
+        expected = reference_step(reference, state, x, use_side, rho, eps)
+        model.zero_grad(set_to_none=True)
+        model(x, use_side).square().sum().backward()
+        pre.step()
+        for name, grad in expected.items():
+            torch.testing.assert_close(
+                model.get_parameter(name).grad, grad, rtol=1e-10, atol=1e-12, msg=f"{step} {name}"
+            )
+        assert pre.layers["side"].running.steps == state["side"][2]
+        with torch.no_grad():  # both take the same SGD step
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    p.sub_(0.01 * p.grad)
+                    reference.get_parameter(name).sub_(0.01 * expected[name])
+
+
+def test_layers_on_two_dtypes_are_stepped_in_separate_flat_groups() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    model[2].double()
+    pre = BNPPreconditioner(model)
+    x = torch.randn(5, 4)
+    out = model[2](model[1](model[0](x)).double())
+    out.sum().backward()
+    pre.step()
+    assert pre.layers["0"].running.mean_acc.dtype == torch.float32
+    assert pre.layers["2"].running.mean_acc.dtype == torch.float64
+    assert all(layer.running.steps == 1 for layer in pre.layers.values())
