@@ -30,18 +30,20 @@ import argparse
 import contextlib
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo
 from torch import Tensor, nn
 
 from benchmarks.op_count import added_ops
 from example_projects.models import cifar_resnet, cnn5, fc_network
 from lightning_bnp import BatchNormPreconditioning
-from lightning_bnp.core import BNPPreconditioner
+from lightning_bnp.core import BNPPreconditioner, BNPWarning
 
 OUT = Path(__file__).parent / "out"
 Step = Callable[[], None]
@@ -359,6 +361,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny repeats: a smoke test")
     args = parser.parse_args()
     device = torch.device(args.device)
+    # every entry compiles its own model of a shared class: Dynamo must tell them apart by their hooks (by
+    # default it does not guard hooks and would run a BNP model through a vanilla model's graph, README "Cost")
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    torch._dynamo.config.recompile_limit = 256
+    warnings.simplefilter("error", BNPWarning)  # a BNP entry whose hooks did not run is an error, not a time
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rows = choose_rows(args.rows, device)

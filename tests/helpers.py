@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,20 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
+
+
+def _test_accelerator() -> str:
+    """``LIGHTNING_BNP_TEST_ACCELERATOR``: where the Lightning integration tests fit (``cpu``, the default and
+    CI's, or ``cuda``, to test the CUDA path whenever a GPU is at hand)."""
+    value = os.environ.get("LIGHTNING_BNP_TEST_ACCELERATOR", "cpu")
+    if value not in ("cpu", "cuda"):
+        raise ValueError(f"LIGHTNING_BNP_TEST_ACCELERATOR must be 'cpu' or 'cuda', got {value!r}")
+    if value == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("LIGHTNING_BNP_TEST_ACCELERATOR=cuda, but torch.cuda.is_available() is False")
+    return value
+
+
+ACCELERATOR = _test_accelerator()
 
 
 def make_mlp(seed: int = 0, in_features: int = 6, hidden: int = 8, out: int = 3) -> nn.Sequential:
@@ -77,10 +92,10 @@ def _fit(
     ckpt_path: str | None = None,
     **trainer_kwargs: Any,
 ) -> pl.Trainer:
-    """Fit on CPU without logger, progress bar or summary; extra kwargs go to the Trainer."""
+    """Fit on :data:`ACCELERATOR` without logger, progress bar or summary; extra kwargs go to the Trainer."""
     defaults: dict[str, Any] = dict(
         default_root_dir=tmp_path,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=1,
         logger=False,
         enable_progress_bar=False,

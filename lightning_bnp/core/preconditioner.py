@@ -464,7 +464,8 @@ class BNPPreconditioner:
             before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings])
         after = ema_update(before, batch, self.rho)
         steps = [r.steps + 1 for r in runnings]
-        if not math.isfinite(batch.sum(dtype=torch.float64).item()):  # a NaN/Inf sample somewhere
+        # a NaN/Inf sample somewhere (or a float32 overflow of the sum: then the per-layer check finds all finite)
+        if not math.isfinite(batch.sum().item()):
             self._keep_non_finite(ready, layout, batch, before, after, steps)
         pending.items.extend(zip(runnings, _accumulator_states(after, layout, steps)))
         scale: float | Tensor

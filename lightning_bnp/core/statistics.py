@@ -106,8 +106,8 @@ def moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
         return Moments.empty(features, h.device, statistics_dtype(h.dtype))
     if h.dtype not in (torch.float32, torch.float64):
         h = h.float()  # half / bfloat16 (autocast): statistics in float32
-    if torch.compiler.is_compiling():  # traced: one fusable reduction (the fused kernel has no fake-tensor rule)
-        return _traceable_moments(layer, h, output)
+    if torch.compiler.is_compiling() or h.device.type not in _FUSED_KERNEL_DEVICES:
+        return _var_mean_moments(layer, h, output)
     if isinstance(layer, nn.Linear):
         x = h.reshape(-1, h.shape[-1])
         rows = x.shape[0]
@@ -124,9 +124,13 @@ def moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
     return Moments(h.numel() // channels, samples, samples * math.prod(output.shape[2:]), mean, var)
 
 
-def _traceable_moments(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
-    """:func:`moments_of_input` from ``torch.var_mean``, for ``torch.compile``: inductor fuses it into the
-    forward's kernels, where it costs no launch of its own."""
+# where ATen implements batch_norm_update_stats (it has no fake-tensor rule either, so torch.compile cannot trace it)
+_FUSED_KERNEL_DEVICES = ("cpu", "cuda")
+
+
+def _var_mean_moments(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
+    """:func:`moments_of_input` from ``torch.var_mean``: traced by ``torch.compile`` (inductor fuses it into
+    the forward's kernels, where it costs no launch of its own) and available on every device."""
     if isinstance(layer, nn.Linear):
         x = h.reshape(-1, h.shape[-1])
         var, mean = torch.var_mean(x, 0, correction=0)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_bnp import BatchNormPreconditioning, BNPPreconditioner
-from tests.helpers import BoringClassifier, _fit, make_cnn, make_data, make_mlp
+from tests.helpers import ACCELERATOR, BoringClassifier, _fit, make_cnn, make_data, make_mlp
 
 
 def plain_loop(
@@ -294,7 +294,7 @@ def test_batch_statistics_refuse_a_one_sample_last_step_at_the_start(
     model = BoringClassifier(make_mlp())
     loader = DataLoader(make_data(n=samples), batch_size=8, drop_last=drop_last)
     trainer = pl.Trainer(
-        accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False, max_epochs=1,
+        accelerator=ACCELERATOR, logger=False, enable_progress_bar=False, enable_checkpointing=False, max_epochs=1,
         enable_model_summary=False, accumulate_grad_batches=accumulate,
         callbacks=[BatchNormPreconditioning(statistics="batch")],
     )  # fmt: skip

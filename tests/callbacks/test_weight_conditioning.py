@@ -22,7 +22,7 @@ from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.weight_conditioning import WeightConditioning
 from lightning_bnp.core.conditioning import apply_weight_conditioning, conditioned_layers
 from lightning_bnp.core.preconditioner import BNPPreconditioner
-from tests.helpers import BoringClassifier, _fit, make_cnn, make_data, make_mlp
+from tests.helpers import ACCELERATOR, BoringClassifier, _fit, make_cnn, make_data, make_mlp
 
 
 def plain_loop(network: nn.Module, data: Any, *, steps: int, bnp: bool = False, **wc: Any) -> nn.Module:
@@ -139,7 +139,7 @@ def test_checkpoint_loads_for_validation_and_refuses_another_mode(tmp_path: Path
 
     def validator(**wc: Any) -> pl.Trainer:
         return pl.Trainer(
-            accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=[WeightConditioning(**wc)]
+            accelerator=ACCELERATOR, logger=False, enable_progress_bar=False, callbacks=[WeightConditioning(**wc)]
         )
 
     expected = validator().validate(trained, loader, verbose=False)[0]["val_loss"]

@@ -13,7 +13,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from lightning_bnp.core import BNPPreconditioner
+from lightning_bnp.core import BNPPreconditioner, BNPWarning
 
 BACKENDS = [
     "eager",
@@ -72,3 +72,22 @@ def test_compiled_model_trains_like_eager(backend: str) -> None:
         assert other.steps == layer.running.steps == 4
         torch.testing.assert_close(other.mean_acc, layer.running.mean_acc, rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(other.var_acc, layer.running.var_acc, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("guard_hooks", [False, True])
+def test_a_graph_compiled_without_bnp_is_reused_unless_dynamo_guards_hooks(guard_hooks: bool) -> None:
+    """Dynamo does not guard on module hooks by default: a graph compiled earlier for the same network class
+    without BNP runs without its hooks, and BNP says so ("never ran") instead of silently doing nothing.
+    README "Cost" gives the two ways out; this pins both behaviours."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=not guard_hooks):
+        torch.compile(make_cnn(), backend="eager")(torch.randn(6, 1, 8, 8))  # same class and shapes, no hooks
+        model = make_cnn()
+        if guard_hooks:
+            pre = train(model, "eager")
+            assert all(layer.running.steps == 4 for layer in pre.layers.values())
+        else:
+            with pytest.warns(BNPWarning, match="never ran"):
+                pre = train(model, "eager")
+            assert all(layer.running.steps == 0 for layer in pre.layers.values())
+    torch._dynamo.reset()

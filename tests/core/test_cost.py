@@ -122,3 +122,25 @@ def test_layers_on_two_dtypes_are_stepped_in_separate_flat_groups() -> None:
     assert pre.layers["0"].running.mean_acc.dtype == torch.float32
     assert pre.layers["2"].running.mean_acc.dtype == torch.float64
     assert all(layer.running.steps == 1 for layer in pre.layers.values())
+
+
+@pytest.mark.parametrize(
+    ("layer", "shape"),
+    [
+        (nn.Linear(5, 2), (3, 7, 5)),
+        (nn.Conv1d(3, 4, 3, stride=2), (5, 3, 9)),
+        (nn.Conv2d(4, 4, 3, padding=1, groups=2), (2, 4, 6, 5)),
+        (nn.Conv2d(2, 3, 3), (2, 6, 6)),  # unbatched
+        (nn.Conv3d(2, 3, 2), (2, 2, 4, 5, 3)),
+    ],
+)
+def test_var_mean_statistics_equal_the_fused_kernel(layer: nn.Module, shape: tuple[int, ...]) -> None:
+    """The form torch.compile traces (and devices without the fused kernel use) computes the same moments."""
+    from lightning_bnp.core.statistics import _var_mean_moments
+
+    h = torch.randn(*shape, dtype=torch.float64) * 3 + 2
+    out = layer.double()(h)
+    fused, generic = moments_of_input(layer, h, out), _var_mean_moments(layer, h, out)
+    assert (fused.rows, fused.samples, fused.out_positions) == (generic.rows, generic.samples, generic.out_positions)
+    torch.testing.assert_close(generic.mean, fused.mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(generic.var, fused.var, rtol=1e-12, atol=1e-12)

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 
 from example_projects.cli import ProjectCLI
 from lightning_bnp import BatchNormPreconditioning
+from tests.helpers import ACCELERATOR
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECTS = ("fc_mnist", "cnn_cifar", "resnet_gn", "online", "weight_conditioning")
@@ -53,7 +54,7 @@ def _fast_dev_run(project: str, tmp_path: Path, *args: str) -> ProjectCLI:
             "fit",
             *args,
             "--trainer.fast_dev_run=true",
-            "--trainer.accelerator=cpu",
+            f"--trainer.accelerator={ACCELERATOR}",
             f"--trainer.default_root_dir={tmp_path}",
             "--data.dataset=mnist5k",
             *QUIET,
@@ -201,7 +202,7 @@ def test_compile_option_trains_like_eager(tmp_path: Path) -> None:
                 "--trainer.limit_val_batches=0",
                 "--trainer.logger=false",
                 "--trainer.enable_checkpointing=false",
-                "--trainer.accelerator=cpu",
+                f"--trainer.accelerator={ACCELERATOR}",
                 f"--trainer.default_root_dir={tmp_path / str(compiled)}",
                 "--data.dataset=mnist5k",
                 "--seed_everything=3",
