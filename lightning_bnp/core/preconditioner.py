@@ -133,8 +133,9 @@ class PendingUpdate:
 
 _NEVER_RAN = (
     "has a gradient but its forward never ran in training mode, or the backward never reached its output, "
-    "since the last step (e.g. its weight is used through F.linear, as in nn.MultiheadAttention.out_proj); "
-    "its gradient is left untransformed. Exclude it with `exclude` to silence this warning."
+    "since the last step (e.g. its weight is used through F.linear, as in nn.MultiheadAttention.out_proj, or "
+    "torch.compile reused a graph compiled without BNP's hooks: README 'Cost'); its gradient is left "
+    "untransformed. Exclude it with `exclude` to silence this warning."
 )
 _TWICE = (
     "its gradient was already preconditioned by the previous step() and no backward has changed it "
