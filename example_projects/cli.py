@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+import lightning_bnp  # noqa: F401  # imported, its callbacks resolve by short name: --trainer.callbacks+=TimingMonitor
 from example_projects.data import ImageDataModule, TorchvisionName
 
 

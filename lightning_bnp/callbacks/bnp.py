@@ -29,12 +29,14 @@ from typing import Any, Literal, Protocol, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bnp.callbacks._strategy import holds_full_replica, spawns_workers
+from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import DEFAULT_LAYER_TYPES, BNPPreconditioner, validate_bnp_arguments
+from lightning_bnp.core.validation import check_bool
 
 __all__ = ["BatchNormPreconditioning", "StepRegularizer"]
 
@@ -49,7 +51,7 @@ class StepRegularizer(Protocol):
     ) -> None: ...
 
 
-class BatchNormPreconditioning(Callback):
+class BatchNormPreconditioning(ArgumentsRepr, Callback):
     """Precondition the gradients of Linear/ConvNd layers with BNP (Lange, Helfrich & Ye, 2022).
 
     Args:
@@ -63,12 +65,13 @@ class BatchNormPreconditioning(Callback):
             data's statistics from the first step (see the README and ``benchmarks/RESULTS.md`` §5 for
             the evidence behind the default).
         layer_types: layer classes to manage, from ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d``
-            (default: all four).
+            (default: all four; ``None`` means the same).
         include: glob patterns of module names to manage (default: every layer of those types); a
             bare string is one pattern (``include: net.0`` in YAML means ``["net.0"]``).
         exclude: glob patterns of module names to leave alone (a bare string is one pattern).
         sync_statistics: under DDP, pool each step's statistics over all ranks (one collective)
             so that every rank applies the same preconditioner to the all-reduced gradient.
+        verbose: at setup, say on rank zero which layers BNP manages (one line).
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
@@ -90,10 +93,11 @@ class BatchNormPreconditioning(Callback):
         eps2: float = 1e-4,
         statistics: Literal["running", "batch"] = "running",
         bias_correction: bool = False,
-        layer_types: Union[list[str], str, None] = None,
+        layer_types: Union[list[str], str, None] = list(DEFAULT_LAYER_TYPES),  # noqa: B006  # shown by --print_config
         include: Union[list[str], str, None] = None,
         exclude: Union[list[str], str, None] = None,
         sync_statistics: bool = True,
+        verbose: bool = True,
     ) -> None:
         self.layer_types, include, exclude = validate_bnp_arguments(
             rho,
@@ -111,6 +115,7 @@ class BatchNormPreconditioning(Callback):
         self.bias_correction = bias_correction
         self.include, self.exclude = include, exclude
         self.sync_statistics = sync_statistics
+        self.verbose = check_bool("verbose", verbose)
         self.preconditioner: BNPPreconditioner | None = None
         self._model: torch.nn.Module | None = None
         self._loaded_state: dict[str, Any] | None = None
@@ -136,6 +141,9 @@ class BatchNormPreconditioning(Callback):
                 sync_statistics=self.sync_statistics,
             )
             self._model = pl_module
+            if self.verbose:
+                names = list(self.preconditioner.layers)
+                rank_zero_info(f"BatchNormPreconditioning: BNP manages {len(names)} layers: {names}")
         self.preconditioner.attach()
         if self._loaded_state is not None:
             self.preconditioner.load_state_dict(self._loaded_state)

@@ -44,13 +44,14 @@ from lightning_bnp.callbacks import _probes as probes
 from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core import metrics as M
+from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import BNPPreconditioner
 from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_int, check_patterns
 
 __all__ = ["ConditionNumberMonitor"]
 
 
-class ConditionNumberMonitor(Callback):
+class ConditionNumberMonitor(ArgumentsRepr, Callback):
     """Log κ(D) (raw and floored), exact Hessian-block κ (original and BNP-preconditioned), weight κ,
     effective learning rates and, optionally, Lanczos extremes and paper 003's landscape probes. A value
     that cannot be computed (inf, NaN) is not logged; a one-time warning per tag says so.

@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
+from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import BNPPreconditioner
 from lightning_bnp.core.regularization import HVPMethod, all_reduce_mean_, hessian_vector_product
 from lightning_bnp.core.validation import check_bool, check_choice, check_float
@@ -46,7 +47,7 @@ __all__ = ["ZSpaceRegularization"]
 _NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
 
 
-class ZSpaceRegularization(Callback):
+class ZSpaceRegularization(ArgumentsRepr, Callback):
     """Weight decay and gradient regularization in BNP's preconditioned variable z.
 
     Args:

@@ -44,6 +44,7 @@ from typing_extensions import override
 
 from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
+from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import BNPPreconditioner
 from lightning_bnp.core.validation import check_int
 
@@ -104,7 +105,7 @@ class _Clock:
         return totals
 
 
-class TimingMonitor(Callback):
+class TimingMonitor(ArgumentsRepr, Callback):
     """Log step time, the time BNP's statistics and transform take, other ``lightning_bnp`` callbacks' hook
     time, and samples per second.
 

@@ -34,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_bnp.callbacks._strategy import holds_full_replica, spawns_workers
+from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.conditioning import (
     DEFAULT_EPS,
     DEFAULT_LAYER_TYPES,
@@ -43,11 +44,12 @@ from lightning_bnp.core.conditioning import (
     validate_conditioning_arguments,
     zero_norm_count,
 )
+from lightning_bnp.core.validation import check_bool
 
 __all__ = ["WeightConditioning"]
 
 
-class WeightConditioning(Callback):
+class WeightConditioning(ArgumentsRepr, Callback):
     """Equilibrate the weights of Linear/ConvNd layers (Saratchandran, Wang & Lucey, paper 004).
 
     Args:
@@ -58,12 +60,13 @@ class WeightConditioning(Callback):
             ``named_modules()`` order (the paper's CNN recipe, §6.1: first convolution and last dense
             layer).
         layer_types: layer classes to consider, from ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d``
-            (default: all four).
+            (default: all four; ``None`` means the same).
         include: glob patterns of module names to consider (default: every layer of those types); a
             bare string is one pattern (``include: net.0`` in YAML means ``["net.0"]``).
         exclude: glob patterns of module names to leave alone (a bare string is one pattern).
         eps: ε > 0: vectors of norm ≤ ε (all-zero ones) are left as they are, with an identity
             Jacobian, so their gradient is unscaled; all others get unit norm.
+        verbose: at setup, say on rank zero which layers are conditioned (one line).
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``eps="1e-12"``, ``include=3``).
@@ -84,10 +87,11 @@ class WeightConditioning(Callback):
         *,
         mode: Literal["row", "column", "row_column"] = "row",
         layers: Literal["all", "first_and_last"] = "all",
-        layer_types: Union[list[str], str, None] = None,
+        layer_types: Union[list[str], str, None] = list(DEFAULT_LAYER_TYPES),  # noqa: B006  # shown by --print_config
         include: Union[list[str], str, None] = None,
         exclude: Union[list[str], str, None] = None,
         eps: float = DEFAULT_EPS,
+        verbose: bool = True,
     ) -> None:
         self.layer_types, include, exclude = validate_conditioning_arguments(
             mode, layers, eps, DEFAULT_LAYER_TYPES if layer_types is None else layer_types, include, exclude
@@ -96,6 +100,7 @@ class WeightConditioning(Callback):
         self.layers: Literal["all", "first_and_last"] = layers
         self.include, self.exclude = include, exclude
         self.eps = eps
+        self.verbose = check_bool("verbose", verbose)
         self.conditioned: list[str] = []  # names of the layers this callback conditions
         self._loaded_state: dict[str, Any] | None = None
 
@@ -149,7 +154,8 @@ class WeightConditioning(Callback):
         new = [name for name in selected if name not in before]
         if not new:
             return  # already conditioned: a second fit, or validate/test after fit
-        rank_zero_info(f"WeightConditioning: {self.mode} equilibration of {len(new)} layers: {new}")
+        if self.verbose:
+            rank_zero_info(f"WeightConditioning: {self.mode} equilibration of {len(new)} layers: {new}")
         for name in new:
             original = selected[name].parametrizations.weight.original  # type: ignore[union-attr]
             zeros = zero_norm_count(original, self.mode, self.eps)  # type: ignore[arg-type]

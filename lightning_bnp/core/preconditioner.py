@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.layers import BNPWarning, StepTransform, _Layer, make_layers
 from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.selection import select_layers, validate_layer_types
@@ -158,7 +159,7 @@ def _accumulator_states(after: Tensor, layout: FeatureLayout, steps: list[int]) 
     return list(zip(views[:count], views[count:], steps))
 
 
-class BNPPreconditioner:
+class BNPPreconditioner(ArgumentsRepr):
     """BNP gradient preconditioner for a model's Linear and ConvNd layers.
 
     Args:
@@ -224,6 +225,7 @@ class BNPPreconditioner:
             sync_statistics=sync_statistics,
         )
         self.rho, self.eps1, self.eps2 = rho, eps1, eps2
+        self.layer_types, self.include, self.exclude = layer_types, include, exclude
         self.statistics = statistics
         self.bias_correction = bias_correction
         self.sync_statistics = sync_statistics
@@ -239,6 +241,11 @@ class BNPPreconditioner:
         self._commit_hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._layouts: dict[tuple[Any, ...], FeatureLayout] = {}
         self.attach()
+
+    _repr_skip = ("model",)
+
+    def _repr_extra(self) -> list[str]:
+        return [f"layers={list(self.layers)!r}", f"attached={self.attached}"]
 
     # ------------------------------------------------------------------ hooks
     def attach(self) -> None:
@@ -551,9 +558,22 @@ class BNPPreconditioner:
         }
 
     # ------------------------------------------------------------------ state
+    def hyperparameters(self) -> dict[str, Any]:
+        """The settings that shape the running statistics and P (saved with them)."""
+        return {
+            "rho": self.rho,
+            "eps1": self.eps1,
+            "eps2": self.eps2,
+            "statistics": self.statistics,
+            "bias_correction": self.bias_correction,
+        }
+
     def state_dict(self) -> dict[str, Any]:
-        """Running statistics per layer name (CPU tensors)."""
-        return {"layers": {name: layer.running.state_dict() for name, layer in self.layers.items()}}
+        """Running statistics per layer name (CPU tensors) and the :meth:`hyperparameters` they were made with."""
+        return {
+            "layers": {name: layer.running.state_dict() for name, layer in self.layers.items()},
+            "hyperparameters": self.hyperparameters(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
@@ -570,3 +590,13 @@ class BNPPreconditioner:
             )
         for name, layer_state in saved.items():
             self.layers[name].running.load_state_dict(layer_state)
+        saved_settings, current = state.get("hyperparameters"), self.hyperparameters()
+        changed = {k: (v, current[k]) for k, v in (saved_settings or {}).items() if current.get(k) != v}
+        if changed:  # a deliberate change on resume is allowed, but it should not pass unnoticed
+            described = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in sorted(changed.items()))
+            warnings.warn(
+                f"BNP statistics loaded from a state saved with other settings ({described}); they continue "
+                "under the current settings.",
+                BNPWarning,
+                stacklevel=2,
+            )

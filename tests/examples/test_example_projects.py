@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -219,3 +220,28 @@ def test_compile_option_trains_like_eager(tmp_path: Path) -> None:
     for name, state in eager_stats.items():
         assert compiled_stats[name]["steps"] == state["steps"] == 3
         torch.testing.assert_close(compiled_stats[name]["var_acc"], state["var_acc"], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_print_config_shows_the_real_layer_types_default(capsys: pytest.CaptureFixture[str]) -> None:
+    printed = yaml.safe_load(_print_config("fc_mnist", ROOT / "example_projects/fc_mnist/configs/bnp.yaml", capsys))
+    (bnp,) = [cb for cb in printed["trainer"]["callbacks"] if cb["class_path"].endswith("BatchNormPreconditioning")]
+    assert bnp["init_args"]["layer_types"] == ["Linear", "Conv1d", "Conv2d", "Conv3d"]
+
+
+def test_callbacks_append_by_short_name(tmp_path: Path) -> None:
+    """Issue 17 item 8: ``+=BatchNormPreconditioning`` resolves like ``+=LearningRateMonitor``. In a fresh
+    interpreter: this test module has imported ``lightning_bnp`` already, which is what makes short names work."""
+    names = ["BatchNormPreconditioning", "TimingMonitor", "ConditionNumberMonitor"]
+    config = ROOT / "example_projects/fc_mnist/configs/vanilla.yaml"
+    args = [f"--trainer.callbacks+={name}" for name in names]
+    done = subprocess.run(
+        [sys.executable, "-m", "example_projects.fc_mnist", "fit", "--config", str(config), *args, "--print_config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = yaml.safe_load(done.stdout)
+    paths = [cb["class_path"] for cb in printed["trainer"]["callbacks"]]
+    assert [p for p in paths if p.startswith("lightning_bnp.")] == [f"lightning_bnp.{name}" for name in names]
