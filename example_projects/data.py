@@ -158,6 +158,10 @@ class ImageDataModule(pl.LightningDataModule):
         self._train_files: tuple[Tensor, Tensor] | None = None
         self.dataset: Resolved = self._resolve(dataset, prefer)
         self.input_shape: tuple[int, int, int] = INPUT_SHAPES[self.dataset]
+        # the run's logged hyperparameters (TensorBoard's HPARAMS, hparams.yaml) say which data really ran:
+        # `dataset: auto` in a config named cnn_cifar may have trained on the offline MNIST digits
+        self.save_hyperparameters()
+        self.save_hyperparameters({**self.hparams, "dataset_used": self.dataset})  # the logged copy is made here
         self.num_classes = 10
         self.splits: dict[str, _Images] = {}
 

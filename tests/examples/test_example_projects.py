@@ -245,3 +245,14 @@ def test_callbacks_append_by_short_name(tmp_path: Path) -> None:
     printed = yaml.safe_load(done.stdout)
     paths = [cb["class_path"] for cb in printed["trainer"]["callbacks"]]
     assert [p for p in paths if p.startswith("lightning_bnp.")] == [f"lightning_bnp.{name}" for name in names]
+
+
+def test_logged_hyperparameters_say_which_dataset_really_ran(tmp_path: Path) -> None:
+    """Issue 17 item 7: a `cnn_cifar` run that fell back to the offline digits says so in its hparams.yaml."""
+    config = ROOT / "example_projects/cnn_cifar/configs/bnp_b128.yaml"
+    cli = _cli_main("cnn_cifar")(
+        ["fit", "--config", str(config), "--trainer.max_steps=1", "--trainer.limit_val_batches=0", *QUIET]
+    )
+    assert cli.datamodule.hparams["dataset"] == "auto"  # what the config asked for ...
+    saved = yaml.load((Path(cli.trainer.log_dir) / "hparams.yaml").read_text(), Loader=yaml.UnsafeLoader)  # tuples
+    assert saved["dataset_used"] == "mnist5k"  # ... and what ran (no CIFAR-10 files in the test's data/)
