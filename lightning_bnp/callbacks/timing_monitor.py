@@ -5,7 +5,8 @@ logger of the Trainer (rank zero; the values are rank zero's own timings):
 
 * ``timing/step_ms`` — from this callback's ``on_train_batch_start`` to its ``on_train_batch_end``
   (summed over the micro-batches of an accumulated step): forward, backward, optimizer step, and
-  the hooks of callbacks that run inside that window;
+  the hooks of callbacks that run inside that window, less the measurement work of
+  ``ConditionNumberMonitor`` in it (its probes on a record step are not training);
 * ``timing/bnp_transform_ms`` — ``BatchNormPreconditioning.on_before_optimizer_step`` (the transform,
   and ZSpaceRegularization's terms, which BNP calls from there);
 * ``timing/bnp_statistics_ms`` — BNP's forward hooks on the managed layers (the statistics), measured
@@ -44,6 +45,7 @@ from typing_extensions import override
 
 from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
+from lightning_bnp.callbacks.condition_monitor import ConditionNumberMonitor
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import BNPPreconditioner
 from lightning_bnp.core.validation import check_int
@@ -157,7 +159,7 @@ class TimingMonitor(ArgumentsRepr, Callback):
                     keys = [f"callbacks/{type(callback).__name__}"]
                     if bnp and hook == "on_before_optimizer_step":
                         keys.append("bnp_transform")
-                    self._wrap(callback, hook, *keys)
+                    self._wrap(callback, hook, *keys, measurement=isinstance(callback, ConditionNumberMonitor))
             if isinstance(callback, BatchNormPreconditioning) and callback.preconditioner is not None:
                 self._pre = callback.preconditioner
                 self._managed = [layer.module for layer in callback.preconditioner.layers.values()]
@@ -191,17 +193,19 @@ class TimingMonitor(ArgumentsRepr, Callback):
             },
         )
 
-    def _wrap(self, callback: Callback, hook: str, *keys: str) -> None:
-        """Time ``callback.hook`` into ``keys`` through an instance attribute (removed at teardown)."""
+    def _wrap(self, callback: Callback, hook: str, *keys: str, measurement: bool = False) -> None:
+        """Time ``callback.hook`` into ``keys`` through an instance attribute (removed at teardown);
+        ``measurement``: its time inside the step window is taken out of ``step_ms``."""
         original = getattr(callback, hook)
 
         @functools.wraps(original)
         def timed(*args: Any, **kwargs: Any) -> Any:
             token = self._clock.start()
+            in_step = self._in_step
             try:
                 return original(*args, **kwargs)
             finally:
-                self._clock.stop(token, *keys)
+                self._clock.stop(token, *keys, *(("measurement",) if measurement and in_step else ()))
 
         setattr(callback, hook, timed)
         self._wrapped.append((callback, hook))
@@ -286,7 +290,7 @@ class TimingMonitor(ArgumentsRepr, Callback):
         totals = self._clock.collect()
         steps, samples, sampled = self._steps, self._samples, max(self._sampled, 1)
         self._steps, self._samples, self._sampled = 0, 0, 0
-        step_s = totals.pop("step", 0.0)
+        step_s = totals.pop("step", 0.0) - totals.pop("measurement", 0.0)
         statistics_s = totals.pop("bnp_statistics", 0.0) / sampled  # per step, from the sampled step
         conditioning_s = totals.pop("weight_conditioning", 0.0) / sampled
         metrics = {f"timing/{key}_ms": 1e3 * value / steps for key, value in totals.items()}

@@ -29,7 +29,7 @@ from lightning_bnp.callbacks._logging import log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.condition_monitor import ConditionNumberMonitor
 from lightning_bnp.callbacks.timing_monitor import TimingMonitor
-from tests.helpers import BoringClassifier, _fit, make_cnn, make_data
+from tests.helpers import BoringClassifier, _fit, make_cnn, make_data, make_mlp
 
 
 class ColumnNorm(nn.Module):
@@ -557,3 +557,23 @@ def test_values_that_cannot_be_computed_are_not_logged(tmp_path: Path) -> None:
     assert not [tag for tag in logged if "hessian_kappa" in tag or "hessian_min_ratio" in tag]
     skipped = [str(w.message) for w in record if "cannot be computed" in str(w.message)]
     assert len(skipped) == 4 and len(set(skipped)) == 4  # once per tag, not per record
+
+
+def test_step_time_excludes_the_condition_monitors_probes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17 item 5: a record step's ConditionNumberMonitor work (here a stand-in: 0.3 s of sleep in its
+    on_train_batch_end, which runs inside TimingMonitor's window) is its own tag, not training step time."""
+    original = ConditionNumberMonitor.on_train_batch_end
+
+    def slow(self: ConditionNumberMonitor, *args: Any, **kwargs: Any) -> None:
+        time.sleep(0.3)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ConditionNumberMonitor, "on_train_batch_end", slow)
+    callbacks = [BatchNormPreconditioning(), ConditionNumberMonitor(every_n_steps=1), TimingMonitor(every_n_steps=1)]
+    trainer = _fit(tmp_path, BoringClassifier(make_mlp()), make_data(), batch_size=16, max_steps=2,
+                   callbacks=callbacks, logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    probe_ms = [v for _, v in logged["timing/callbacks/ConditionNumberMonitor_ms"]]
+    step_ms = [v for _, v in logged["timing/step_ms"]]
+    assert all(v >= 300 for v in probe_ms), probe_ms
+    assert all(v < 150 for v in step_ms), step_ms  # a step of this 6-8-3 network takes a few ms
