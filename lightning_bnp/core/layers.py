@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 
 from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics_dtype
 from lightning_bnp.core.transform import precondition_
@@ -30,8 +29,8 @@ def weight_leaf(module: nn.Module) -> Tensor:
     # the fields parametrize and nn.Module keep, read directly: this runs for every layer every step, and
     # ``parametrize.is_parametrized`` / ``module.weight`` go through nn.Module.__getattr__ (issue 16)
     parametrizations = module._modules.get("parametrizations")
-    if parametrizations is not None and parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations.weight.original  # type: ignore[union-attr,return-value]
+    if isinstance(parametrizations, nn.ModuleDict) and "weight" in parametrizations:  # = parametrize.is_parametrized
+        return parametrizations["weight"].original  # type: ignore[return-value]
     weight = module._parameters.get("weight")
     return weight if weight is not None else module.weight  # type: ignore[return-value]
 
@@ -65,15 +64,6 @@ class _Layer:
     tied: dict[str, nn.Module] = field(default_factory=dict)  # other modules sharing this weight
     # (weak reference, version) of the gradient the latest step transformed: a second step on it is refused
     transformed_grad: tuple[weakref.ref[Tensor], int] | None = None
-    _zeros: Tensor | None = None
-
-    @property
-    def zero_mean(self) -> Tensor:
-        """μ_H of a layer without bias (always 0): one zero vector per layer, reused every step."""
-        acc = self.running.mean_acc
-        if self._zeros is None or self._zeros.device != acc.device or self._zeros.dtype != acc.dtype:
-            self._zeros = torch.zeros_like(acc)
-        return self._zeros
 
     @property
     def modules(self) -> dict[str, nn.Module]:

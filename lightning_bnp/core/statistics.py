@@ -106,41 +106,39 @@ def moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
         return Moments.empty(features, h.device, statistics_dtype(h.dtype))
     if h.dtype not in (torch.float32, torch.float64):
         h = h.float()  # half / bfloat16 (autocast): statistics in float32
-    if torch.compiler.is_compiling() or h.device.type not in _FUSED_KERNEL_DEVICES:
-        return _var_mean_moments(layer, h, output)
     if isinstance(layer, nn.Linear):
         x = h.reshape(-1, h.shape[-1])
         rows = x.shape[0]
-        # ATen's 2-D (rows, features) statistics kernel sums the mean in float32 one row after another
-        # (a few ULPs off when |μ| ≫ σ); ``mean(0)``'s cascade sum is exact to an ULP. The variance is
-        # centred on the kernel's own mean, which is accurate enough for it.
-        _, var = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
-        return Moments(rows, rows, rows, x.mean(0), var)
+        mean, var = _per_channel_mean_var(x)
+        return Moments(rows, rows, rows, mean, var)
     assert isinstance(layer, nn.modules.conv._ConvNd)
     if h.dim() == len(layer.kernel_size) + 1:  # unbatched input
         h, output = h.unsqueeze(0), output.unsqueeze(0)
-    samples, channels = h.shape[0], h.shape[1]
-    mean, var = torch.ops.aten.batch_norm_update_stats(h, None, None, 0.0)
-    return Moments(h.numel() // channels, samples, samples * math.prod(output.shape[2:]), mean, var)
+    samples = h.shape[0]
+    mean, var = _per_channel_mean_var(h)
+    return Moments(h.numel() // h.shape[1], samples, samples * math.prod(output.shape[2:]), mean, var)
 
 
 # where ATen implements batch_norm_update_stats (it has no fake-tensor rule either, so torch.compile cannot trace it)
 _FUSED_KERNEL_DEVICES = ("cpu", "cuda")
 
 
-def _var_mean_moments(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
-    """:func:`moments_of_input` from ``torch.var_mean``: traced by ``torch.compile`` (inductor fuses it into
-    the forward's kernels, where it costs no launch of its own) and available on every device."""
-    if isinstance(layer, nn.Linear):
-        x = h.reshape(-1, h.shape[-1])
-        var, mean = torch.var_mean(x, 0, correction=0)
-        return Moments(x.shape[0], x.shape[0], x.shape[0], mean, var)
-    assert isinstance(layer, nn.modules.conv._ConvNd)
-    if h.dim() == len(layer.kernel_size) + 1:
-        h, output = h.unsqueeze(0), output.unsqueeze(0)
-    var, mean = torch.var_mean(h, [0, *range(2, h.dim())], correction=0)
-    samples = h.shape[0]
-    return Moments(h.numel() // h.shape[1], samples, samples * math.prod(output.shape[2:]), mean, var)
+def _per_channel_mean_var(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and biased variance per channel (dim 1) over every other dimension of ``x``.
+
+    Under ``torch.compile`` and on devices without the fused kernel: ``torch.var_mean``, which inductor
+    fuses into the forward's kernels and every device has.
+    """
+    if torch.compiler.is_compiling() or x.device.type not in _FUSED_KERNEL_DEVICES:
+        var, mean = torch.var_mean(x, [0, *range(2, x.dim())], correction=0)
+        return mean, var
+    mean, var = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
+    if x.dim() == 2:
+        # ATen's 2-D (rows, features) kernel sums the mean in float32 one row after another (a few ULPs off
+        # when |μ| ≫ σ); ``mean(0)``'s cascade sum is exact to an ULP. The variance is centred on the
+        # kernel's own mean, which is accurate enough for it.
+        mean = x.mean(0)
+    return mean, var
 
 
 class RunningStatistics:
