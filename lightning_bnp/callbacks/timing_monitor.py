@@ -1,7 +1,8 @@
 """Step time, BNP's own cost and throughput in the Trainer's logger (paper 000, Table 1 measures the same cost).
 
-Every ``every_n_steps`` optimizer steps the averages over the steps since the last record go to every
-logger of the Trainer (rank zero; the values are rank zero's own timings):
+Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``, as Lightning's
+``LearningRateMonitor`` and ``ThroughputMonitor``) the averages over the steps since the last record go to
+every logger of the Trainer (rank zero; the values are rank zero's own timings):
 
 * ``timing/step_ms`` — from this callback's ``on_train_batch_start`` to its ``on_train_batch_end``
   (summed over the micro-batches of an accumulated step): forward, backward, optimizer step, and
@@ -16,8 +17,12 @@ logger of the Trainer (rank zero; the values are rank zero's own timings):
 * ``timing/weight_conditioning_ms`` — the forward of this package's weight parametrizations
   (``WeightConditioning``'s E·W, paper 004), sampled on the record step like the statistics;
 * ``timing/callbacks/<Class>_ms`` — every per-step hook of each other ``lightning_bnp`` callback
-  (e.g. ``ConditionNumberMonitor``, whose probes cost nothing on the steps it does not log);
-* ``timing/samples_per_s`` — samples (first dimension of the batch) / step time.
+  (e.g. ``ConditionNumberMonitor``, whose probes cost nothing on the steps it does not log), timed
+  through the Trainer's profiler hooks: Lightning runs each callback hook inside
+  ``trainer.profiler.profile("[Callback]<state_key>.<hook>")``, so during ``fit`` this callback puts a
+  forwarding profiler in front of the Trainer's own (which still sees every action) and reads those;
+* ``timing/samples_per_sec`` — samples (first dimension of the batch) / step time (the name Lightning's
+  ``ThroughputMonitor`` uses).
 
 Clocks: on CPU ``time.perf_counter``; on CUDA, pairs of CUDA events recorded on the current stream,
 resolved (``Event.synchronize``) only when a record is written, so the timed steps run unsynchronized —
@@ -29,14 +34,14 @@ Probe passes of ``ConditionNumberMonitor`` (which pause BNP's statistics) are no
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
@@ -107,13 +112,59 @@ class _Clock:
         return totals
 
 
+class _HookTimingProfiler(Profiler):
+    """Stands in for ``trainer.profiler`` during ``fit``: forwards every action to the Trainer's own profiler
+    and times the ``[Callback]<state_key>.<hook>`` actions listed in ``timed`` (action → keys, measurement).
+
+    Lightning wraps each callback hook in ``trainer.profiler.profile(action)`` (``trainer/call.py``), so this
+    times other callbacks' hooks without touching them. ``measurement``: time spent inside the step window is
+    also added to ``"measurement"``, which ``step_ms`` leaves out.
+    """
+
+    def __init__(self, inner: Profiler, monitor: TimingMonitor, timed: dict[str, tuple[tuple[str, ...], bool]]) -> None:
+        super().__init__()
+        self.inner, self.monitor, self.timed = inner, monitor, timed
+        self._tokens: dict[str, tuple[Any, bool]] = {}
+
+    @override
+    def start(self, action_name: str) -> None:
+        self.inner.start(action_name)
+        if action_name in self.timed:
+            self._tokens[action_name] = (self.monitor._clock.start(), self.monitor._in_step)
+
+    @override
+    def stop(self, action_name: str) -> None:
+        entry = self._tokens.pop(action_name, None)
+        if entry is not None:
+            keys, measurement = self.timed[action_name]
+            token, in_step = entry
+            self.monitor._clock.stop(token, *keys, *(("measurement",) if measurement and in_step else ()))
+        self.inner.stop(action_name)
+
+    @override
+    def summary(self) -> str:
+        return self.inner.summary()
+
+    @override
+    def describe(self) -> None:
+        self.inner.describe()
+
+    @override
+    def setup(self, stage: str, local_rank: Optional[int] = None, log_dir: Optional[str] = None) -> None:
+        self.inner.setup(stage, local_rank, log_dir)
+
+    @override
+    def teardown(self, stage: Optional[str]) -> None:
+        self.inner.teardown(stage)
+
+
 class TimingMonitor(ArgumentsRepr, Callback):
     """Log step time, the time BNP's statistics and transform take, other ``lightning_bnp`` callbacks' hook
     time, and samples per second.
 
     Args:
         every_n_steps: write a record after optimizer steps 0, n, 2n, … (averages over the steps since
-            the previous record; 50 is Lightning's default ``log_every_n_steps``).
+            the previous record); ``None`` (default): the Trainer's ``log_every_n_steps`` (Lightning's default 50).
 
     Raises:
         TypeError: ``every_n_steps`` is not an integer (or is a bool).
@@ -124,11 +175,13 @@ class TimingMonitor(ArgumentsRepr, Callback):
         Trainer(callbacks=[BatchNormPreconditioning(), TimingMonitor()], logger=TensorBoardLogger("runs"))
     """
 
-    def __init__(self, *, every_n_steps: int = 50) -> None:
-        self.every_n_steps = check_int("every_n_steps", every_n_steps, low=1)
+    def __init__(self, *, every_n_steps: Optional[int] = None) -> None:
+        self.every_n_steps = None if every_n_steps is None else check_int("every_n_steps", every_n_steps, low=1)
+        self._every = every_n_steps or 50  # resolved against the Trainer in `on_fit_start`
         self._clock = _Clock(torch.device("cpu"))
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._wrapped: list[tuple[Callback, str]] = []
+        self._profiler: _HookTimingProfiler | None = None
+        self._trainer: pl.Trainer | None = None
         self._hook_tokens: dict[int, Any] = {}
         self._managed: list[nn.Module] = []
         self._parametrizations: list[nn.Module] = []
@@ -146,20 +199,24 @@ class TimingMonitor(ArgumentsRepr, Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after every callback's `setup`, so BNP's forward hooks exist and ours go around them
         self._restore()
+        default = trainer.log_every_n_steps  # type: ignore[attr-defined]
+        self._every = self.every_n_steps if self.every_n_steps is not None else default
         self._clock = _Clock(pl_module.device)
         self._steps, self._samples, self._count_samples, self._sampled = 0, 0, True, 0
         if not trainer.loggers:
             rank_zero_warn("TimingMonitor: the Trainer has no logger, so nothing will be recorded.")
+        timed: dict[str, tuple[tuple[str, ...], bool]] = {}
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if callback is self or not type(callback).__module__.startswith("lightning_bnp."):
                 continue
             bnp = isinstance(callback, BatchNormPreconditioning)
             for hook in _STEP_HOOKS:
                 if getattr(type(callback), hook) is not getattr(Callback, hook):  # overridden
-                    keys = [f"callbacks/{type(callback).__name__}"]
+                    keys: tuple[str, ...] = (f"callbacks/{type(callback).__name__}",)
                     if bnp and hook == "on_before_optimizer_step":
-                        keys.append("bnp_transform")
-                    self._wrap(callback, hook, *keys, measurement=isinstance(callback, ConditionNumberMonitor))
+                        keys += ("bnp_transform",)
+                    action = f"[Callback]{callback.state_key}.{hook}"  # Lightning's name (trainer/call.py)
+                    timed[action] = (keys, isinstance(callback, ConditionNumberMonitor))
             if isinstance(callback, BatchNormPreconditioning) and callback.preconditioner is not None:
                 self._pre = callback.preconditioner
                 self._managed = [layer.module for layer in callback.preconditioner.layers.values()]
@@ -171,6 +228,9 @@ class TimingMonitor(ArgumentsRepr, Callback):
             for p in plist
             if type(p).__module__.startswith("lightning_bnp.")
         ]
+        if timed:
+            self._profiler = _HookTimingProfiler(trainer.profiler, self, timed)  # type: ignore[attr-defined]
+            self._trainer, trainer.profiler = trainer, self._profiler  # type: ignore[attr-defined]
         bnp_charts = {
             "bnp_ms": [chart("timing", "bnp_ms")],
             "bnp parts": [r"^timing/bnp_(transform|statistics)_ms$"],
@@ -187,28 +247,11 @@ class TimingMonitor(ArgumentsRepr, Callback):
                         if self._parametrizations
                         else {}
                     ),
-                    "samples_per_s": [chart("timing", "samples_per_s")],
+                    "samples_per_sec": [chart("timing", "samples_per_sec")],
                 },
                 "timing/callbacks": {"hook time per step": [chart("timing", "callbacks")]},
             },
         )
-
-    def _wrap(self, callback: Callback, hook: str, *keys: str, measurement: bool = False) -> None:
-        """Time ``callback.hook`` into ``keys`` through an instance attribute (removed at teardown);
-        ``measurement``: its time inside the step window is taken out of ``step_ms``."""
-        original = getattr(callback, hook)
-
-        @functools.wraps(original)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            token = self._clock.start()
-            in_step = self._in_step
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._clock.stop(token, *keys, *(("measurement",) if measurement and in_step else ()))
-
-        setattr(callback, hook, timed)
-        self._wrapped.append((callback, hook))
 
     def _hook_start(self, module: nn.Module, args: Any, output: Any) -> None:
         # not during a probe's re-run of `training_step`, which pauses BNP's statistics
@@ -241,12 +284,18 @@ class TimingMonitor(ArgumentsRepr, Callback):
     def _restore(self) -> None:
         self._remove_hooks()
         self._managed, self._parametrizations, self._pre = [], [], None
-        for callback, hook in self._wrapped:
-            callback.__dict__.pop(hook, None)
-        self._wrapped.clear()
+        trainer, profiler = self._trainer, self._profiler
+        if trainer is not None and profiler is not None and trainer.profiler is profiler:  # type: ignore[attr-defined]
+            trainer.profiler = profiler.inner  # type: ignore[attr-defined]  # before Lightning's `describe()`
+        self._profiler, self._trainer = None, None
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+        self._in_step = False
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore()
         self._in_step = False
 
@@ -256,7 +305,7 @@ class TimingMonitor(ArgumentsRepr, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_at_start = trainer.global_step
-        if self._step_at_start % self.every_n_steps == 0 and not self._handles:  # sample the statistics time
+        if self._step_at_start % self._every == 0 and not self._handles:  # sample the statistics time
             for module in self._managed:  # around BNP's hook: ours first (prepended), then BNP's, then ours
                 self._handles.append(module.register_forward_hook(self._hook_start, prepend=True))
                 self._handles.append(module.register_forward_hook(self._hook_stop))
@@ -285,7 +334,7 @@ class TimingMonitor(ArgumentsRepr, Callback):
         if self._handles:
             self._remove_hooks()
             self._sampled += 1
-        if self._step_at_start % self.every_n_steps != 0:
+        if self._step_at_start % self._every != 0:
             return
         totals = self._clock.collect()
         steps, samples, sampled = self._steps, self._samples, max(self._sampled, 1)
@@ -304,5 +353,5 @@ class TimingMonitor(ArgumentsRepr, Callback):
         if self._parametrizations:
             metrics["timing/weight_conditioning_ms"] = 1e3 * conditioning_s
         if self._count_samples and samples > 0 and step_s > 0:
-            metrics["timing/samples_per_s"] = samples / step_s
+            metrics["timing/samples_per_sec"] = samples / step_s
         log_metrics(trainer, metrics, self._step_at_start)

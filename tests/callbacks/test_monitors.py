@@ -91,7 +91,7 @@ def test_tags_are_logged_grouped_by_kind_and_layer_and_finite(tmp_path: Path) ->
         "bnp/lanczos/lambda_min",
         "bnp/lanczos/lambda_max",
         *(f"bnp/landscape/{k}" for k in ("loss_range", "grad_change", "beta_smoothness")),
-        *(f"timing/{k}" for k in ("step_ms", "bnp_ms", "bnp_transform_ms", "bnp_statistics_ms", "samples_per_s")),
+        *(f"timing/{k}" for k in ("step_ms", "bnp_ms", "bnp_transform_ms", "bnp_statistics_ms", "samples_per_sec")),
         "timing/callbacks/ConditionNumberMonitor_ms",
         "timing/callbacks/BatchNormPreconditioning_ms",
     }
@@ -333,7 +333,7 @@ def test_works_with_csv_logger(tmp_path: Path) -> None:
     with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:  # type: ignore[union-attr]
         rows = list(csv.DictReader(f))
     for tag in ("bnp/kappa_D/network.0", "bnp/hessian_kappa/network.4/preconditioned", "bnp/effective_lr/network.0",
-                "bnp/landscape/beta_smoothness", "timing/step_ms", "timing/samples_per_s"):  # fmt: skip
+                "bnp/landscape/beta_smoothness", "timing/step_ms", "timing/samples_per_sec"):  # fmt: skip
         values = [(int(r["step"]), float(r[tag])) for r in rows if r.get(tag)]
         assert [step for step, _ in values] == [0, 2], tag
         assert all(math.isfinite(v) for _, v in values), tag
@@ -393,7 +393,7 @@ def test_timing_monitor_on_cuda(tmp_path: Path) -> None:
                               ConditionNumberMonitor(every_n_steps=2)],
                    logger=TensorBoardLogger(tmp_path))  # fmt: skip
     logged = scalars(trainer)
-    for tag in ("timing/step_ms", "timing/bnp_ms", "timing/samples_per_s", "bnp/hessian_kappa/network.4/original"):
+    for tag in ("timing/step_ms", "timing/bnp_ms", "timing/samples_per_sec", "bnp/hessian_kappa/network.4/original"):
         assert [s for s, _ in logged[tag]] == [0, 2] and all(math.isfinite(v) and v > 0 for _, v in logged[tag]), tag
 
 
@@ -577,3 +577,29 @@ def test_step_time_excludes_the_condition_monitors_probes(tmp_path: Path, monkey
     step_ms = [v for _, v in logged["timing/step_ms"]]
     assert all(v >= 300 for v in probe_ms), probe_ms
     assert all(v < 150 for v in step_ms), step_ms  # a step of this 6-8-3 network takes a few ms
+
+
+def test_timing_follows_the_trainers_log_every_n_steps_by_default(tmp_path: Path) -> None:
+    """Issue 17 item 5: like Lightning's LearningRateMonitor, the default cadence is `log_every_n_steps`."""
+    trainer = _fit(tmp_path, BoringClassifier(make_mlp()), make_data(), batch_size=8, max_steps=7,
+                   callbacks=[BatchNormPreconditioning(), TimingMonitor()], logger=TensorBoardLogger(tmp_path),
+                   log_every_n_steps=3)  # fmt: skip
+    assert [step for step, _ in scalars(trainer)["timing/step_ms"]] == [0, 3, 6]
+    assert "timing/samples_per_sec" in scalars(trainer)
+
+
+def test_timing_reads_callback_hooks_through_the_trainers_profiler(tmp_path: Path) -> None:
+    """Other callbacks are timed through Lightning's `[Callback]<state_key>.<hook>` profiler actions, not by
+    replacing their methods; the user's profiler still records those actions and is back in place after fit."""
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    bnp, profiler = BatchNormPreconditioning(), SimpleProfiler()
+    trainer = _fit(tmp_path, BoringClassifier(make_mlp()), make_data(), batch_size=8, max_steps=3,
+                   callbacks=[bnp, TimingMonitor(every_n_steps=1)], logger=TensorBoardLogger(tmp_path),
+                   profiler=profiler)  # fmt: skip
+    assert trainer.profiler is profiler and not vars(bnp).keys() & {"on_before_optimizer_step", "on_train_batch_start"}
+    action = f"[Callback]{bnp.state_key}.on_before_optimizer_step"
+    assert len(profiler.recorded_durations[action]) == 3
+    logged = scalars(trainer)
+    assert [step for step, _ in logged["timing/bnp_transform_ms"]] == [0, 1, 2]
+    assert all(v > 0 for _, v in logged["timing/callbacks/BatchNormPreconditioning_ms"])
