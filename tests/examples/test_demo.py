@@ -1,0 +1,45 @@
+"""`make demo` (issue 17 item 3): the comparison runs end to end, prints and writes its table and figure, and
+leaves TensorBoard runs with κ and timing values, none of them non-finite."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from example_projects import demo
+
+
+@pytest.mark.slow
+def test_quick_demo_writes_table_figure_and_finite_tensorboard_logs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = demo.main(["--quick", "--log-dir", str(tmp_path), "--accelerator", "cpu"])
+    run_dir = tmp_path / "demo" / "version_0"
+    table = (run_dir / "summary.md").read_text()
+    assert table.strip() in capsys.readouterr().out
+    assert len(table.strip().splitlines()) == 2 + len(runs) == 8
+    assert (run_dir / "comparison.png").stat().st_size > 10_000
+    for run in runs:
+        assert 0.0 <= run.test_acc <= 1.0
+        events = EventAccumulator(str(run_dir / f"b{run.batch_size}_{run.method}"), size_guidance={"scalars": 0})
+        events.Reload()
+        tags = events.Tags()["scalars"]
+        expected = ["timing/step_ms", "val/acc", "train/loss"]
+        expected += [t for t in tags if t.startswith("bnp/hessian_kappa/")][:1] or ["bnp/hessian_kappa/<missing>"]
+        if run.method == "bnp":
+            expected += [t for t in tags if t.startswith("bnp/kappa_D/")][:1] or ["bnp/kappa_D/<missing>"]
+        assert set(expected) <= set(tags), (run.method, sorted(tags))
+        assert all(math.isfinite(e.value) for tag in tags for e in events.Scalars(tag))
+
+
+def test_summary_counts_steps_to_target_and_medians() -> None:
+    run = demo.Run(6, "bnp", 0.5, 0.9, {"val/acc": [(100, 0.85), (200, 0.91), (300, 0.89)],
+                                       "bnp/kappa_D/a": [(0, 10.0), (5, 30.0)], "bnp/kappa_D/b": [(0, 20.0), (5, 5.0)],
+                                       "timing/step_ms": [(0, 3.0), (5, 1.0), (10, 2.0)]})  # fmt: skip
+    assert run.steps_to(0.9) == 200 and run.steps_to(0.95) is None
+    assert run.median(r"bnp/kappa_D/.*", reduce="max") == 25.0  # max per record: 20, 30
+    assert run.median("timing/step_ms") == 2.0
+    assert "| 6 | BNP | 0.5 | 0.900 | 200 | 2.00 |" in demo.summary_table([run])
