@@ -174,7 +174,9 @@ def column_moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Mome
     geometry = (tuple(h.shape[2:]), left, kernel, tuple(layer.stride), tuple(layer.dilation), positions)
     window = _window_sums(sums, *geometry[1:])
     rows = samples * math.prod(positions)
-    padded = samples * (math.prod(positions) - _real_counts(*geometry, h.device))
+    # traced by torch.compile without its cache (dynamo calls the wrapped function either way)
+    counts = _real_counts.__wrapped__ if torch.compiler.is_compiling() else _real_counts
+    padded = samples * (math.prod(positions) - counts(*geometry, h.device))
     a = shift.view(channels, 1)
     delta = (window[0] - padded * a) / rows  # μ_k − a
     var = (window[1] + padded * a.square()) / rows - delta.square()

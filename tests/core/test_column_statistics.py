@@ -312,3 +312,25 @@ def test_linear_layers_keep_per_feature_statistics_in_column_mode() -> None:
     assert {name: layer.features for name, layer in pre.layers.items()} == {"0": 18, "2": 12}
     assert "conv_statistics='column'" in repr(pre)
     assert "conv_statistics" not in repr(BNPPreconditioner(nn.Conv2d(1, 1, 1)))
+
+
+def test_compiled_forward_traces_the_column_hook_without_a_graph_break() -> None:
+    """``torch.compile(model, fullgraph=True)``: the window sums trace into the graph; same steps as eager."""
+    torch._dynamo.reset()
+    grads = []
+    for backend in (None, "aot_eager"):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2, groups=2)
+        )
+        pre = BNPPreconditioner(model, conv_statistics="column")
+        forward = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+        for seed in range(3):
+            x = torch.randn(3, 2, 7, 7, generator=torch.Generator().manual_seed(seed)) + 1
+            model.zero_grad()
+            forward(x).square().sum().backward()
+            pre.step()
+        grads.append([p.grad.clone() for p in model.parameters()] + [pre.layers["2"].running.var_acc])
+    torch._dynamo.reset()
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
