@@ -1,4 +1,5 @@
-"""``python -m benchmarks.reproduce``: run the four experiments and write RESULTS.md with its figures."""
+"""``python -m benchmarks.reproduce``: run the experiments and write RESULTS.md with its figures
+(``--sections conv_statistics``: only §6, spliced into the existing RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reproduce import convergence, cost, default_start, kappa, weight_conditioning
+from benchmarks.reproduce import conv_statistics, convergence, cost, default_start, kappa, weight_conditioning
 from benchmarks.reproduce.runs import Job, Run, task
 from benchmarks.reproduce.selection import choose
 from benchmarks.reproduce.settings import CONVERGENCE, KAPPA, QUICK_SEEDS, RESNET, WC, Setting, quick
 
 ROOT = Path(__file__).parents[1]
+SECTIONS = ("all", conv_statistics.NAME)  # what --sections can run alone
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -38,6 +40,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--rerender",
         action="store_true",
         help="rewrite the report from the runs a previous call saved in <out>/results/runs.pkl (no training)",
+    )
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=["all"],
+        help="'all' (default) writes the whole report; a section's name trains and measures that section only "
+        "and replaces it in the existing <out>/RESULTS.md (inserted if missing)",
+    )
+    parser.add_argument(
+        "--retime",
+        action="store_true",
+        help="with --sections conv_statistics: keep the saved training runs, measure the timings and errors again "
+        "(timings are the part a busy machine spoils)",
     )
     parser.add_argument("--workers", type=int, default=None, help="training processes (default: CPU count, at most 4)")
     parser.add_argument(
@@ -88,26 +104,68 @@ def header(args: argparse.Namespace, seconds: float) -> list[str]:
     ]
 
 
+def adjusted(settings: list[Setting], args: argparse.Namespace) -> list[Setting]:
+    """``--quick`` and ``--seeds`` applied (a one-rate setting keeps its rate under ``--quick``)."""
+    if args.quick:
+        settings = [replace(quick(s), lrs=s.lrs) if len(s.lrs) == 1 else quick(s) for s in settings]
+    if args.seeds is not None:
+        settings = [replace(s, seeds=args.seeds) for s in settings]
+    return settings
+
+
+def conv_statistics_alone(args: argparse.Namespace) -> None:
+    """``--sections conv_statistics``: train and measure §6 only and splice it into ``<out>/RESULTS.md``."""
+    settings = tuple(adjusted(list(conv_statistics.SETTINGS), args))
+    saved = args.out / "results" / f"{conv_statistics.NAME}.pkl"
+    if args.rerender or args.retime:
+        results, measured, seconds = pickle.loads(saved.read_bytes())
+    if args.retime:
+        print("timing ...", flush=True)
+        measured = conv_statistics.measure(args.quick, args.threads)
+        saved.write_bytes(pickle.dumps((results, measured, seconds)))
+    elif not args.rerender:
+        start = time.perf_counter()
+        results = train_all(list(settings), args.workers)
+        print("timing ...", flush=True)
+        measured = conv_statistics.measure(args.quick, args.threads)
+        seconds = time.perf_counter() - start
+        saved.write_bytes(pickle.dumps((results, measured, seconds)))
+    note = (
+        ("**QUICK MODE: tiny runs, the numbers mean nothing.** " if args.quick else "")
+        + f"This section was generated on its own (`python -m benchmarks.reproduce --sections "
+        f"{conv_statistics.NAME}`) on {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{args.workers} worker processes; wall time {seconds / 60:.1f} min"
+        + ("; timings and errors measured again afterwards (`--retime`)." if args.retime else ".")
+    )
+    lines = conv_statistics.section(settings, results, measured, note)
+    path = args.out / "RESULTS.md"
+    report = path.read_text() if path.exists() else "\n".join(header(args, seconds)) + "\n"
+    path.write_text(conv_statistics.splice(report, lines))
+    print("\n".join(lines))
+    print(f"wrote §6 into {path} in {seconds:.0f} s")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     (args.out / "results").mkdir(parents=True, exist_ok=True)
-    every = [*CONVERGENCE, RESNET, KAPPA, WC]
-    if args.quick:
-        every = [quick(s) for s in every]
-    if args.seeds is not None:
-        every = [replace(s, seeds=args.seeds) for s in every]
-    *settings, resnet, kappa_setting, wc_setting = every
+    if "all" not in args.sections:
+        conv_statistics_alone(args)
+        return
+    every = adjusted([*CONVERGENCE, RESNET, KAPPA, WC, *conv_statistics.SETTINGS], args)
+    *settings, resnet, kappa_setting, wc_setting = every[: -len(conv_statistics.SETTINGS)]
+    conv_settings = tuple(every[-len(conv_statistics.SETTINGS) :])
     saved = args.out / "results" / "runs.pkl"
     if args.rerender:  # the report's text and figures only, from a previous call's runs and timings
-        results, cost_rows, cost_setup, train_seconds, seconds = pickle.loads(saved.read_bytes())
+        results, cost_rows, cost_setup, conv_measured, train_seconds, seconds = pickle.loads(saved.read_bytes())
     else:
         start = time.perf_counter()
         results = train_all(every, args.workers)
         train_seconds = time.perf_counter() - start
         print("timing ...", flush=True)
         cost_rows, cost_setup = cost.measure(args.quick, args.threads)
+        conv_measured = conv_statistics.measure(args.quick, args.threads)
         seconds = time.perf_counter() - start
-        saved.write_bytes(pickle.dumps((results, cost_rows, cost_setup, train_seconds, seconds)))
+        saved.write_bytes(pickle.dumps((results, cost_rows, cost_setup, conv_measured, train_seconds, seconds)))
 
     figures = args.out / "results"
     choices = {(s, m): choose(s, m, results) for s in settings for m in s.methods}
@@ -127,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
         *weight_conditioning.section(wc_setting, results),
         "",
         *default_start.section([*settings, resnet], results),
+        "",
+        *conv_statistics.section(conv_settings, results, conv_measured, ""),
         f"\n---\nTraining runs: {len(results)} ({train_seconds / 60:.1f} min); timings: "
         f"{(seconds - train_seconds) / 60:.1f} min; total {seconds / 60:.1f} min.",
     ]

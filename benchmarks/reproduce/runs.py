@@ -16,9 +16,18 @@ from example_projects.mnist5k import load_mnist5k_splits
 from example_projects.models import Norm, cifar_resnet, cnn5, fc_network
 from lightning_bnp.core import BNPPreconditioner
 from lightning_bnp.core.conditioning import apply_weight_conditioning
+from lightning_bnp.core.preconditioner import ConvStatistics
 
 CHANCE = 0.1
-NORMS: dict[str, Norm] = {"BN": "bn", "BN+WC": "bn", "LN": "ln", "GN": "gn", "BNP+GN": "gn", "BNP+GN-bc": "gn"}
+NORMS: dict[str, Norm] = {
+    "BN": "bn",
+    "BN+WC": "bn",
+    "LN": "ln",
+    "GN": "gn",
+    "BNP+GN": "gn",
+    "BNP+GN-bc": "gn",
+    "BNP+GN-col": "gn",
+}
 IN_FEATURES = 28 * 28
 
 
@@ -29,7 +38,8 @@ def data() -> dict[str, tuple[Tensor, Tensor]]:
 
 def build(model: str, method: str) -> tuple[nn.Module, BNPPreconditioner | None]:
     """The network for ``method`` (module docstring of ``settings``) and BNP's preconditioner for it, if any:
-    ``BNP``/``BNP+GN`` start from the paper's μ = 0, σ² = 1, ``-bc`` variants are bias-corrected."""
+    ``BNP``/``BNP+GN`` start from the paper's μ = 0, σ² = 1, ``-bc`` variants are bias-corrected, ``-col``
+    variants keep exact per-column convolution statistics (``conv_statistics="column"``)."""
     norm = NORMS.get(method, "none")
     if model == "FC":
         net: nn.Module = fc_network(IN_FEATURES, norm=norm)
@@ -43,7 +53,8 @@ def build(model: str, method: str) -> tuple[nn.Module, BNPPreconditioner | None]
         apply_weight_conditioning(net, layers="first_and_last")
     if not method.startswith("BNP"):
         return net, None
-    return net, BNPPreconditioner(net, bias_correction=method.endswith("-bc"))
+    columns: ConvStatistics = "column" if method.endswith("-col") else "channel"
+    return net, BNPPreconditioner(net, bias_correction=method.endswith("-bc"), conv_statistics=columns)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ class Setting:
 
     Method names: ``vanilla``, ``BN``, ``LN``, ``GN``, ``BN+WC``, and BNP as ``BNP`` / ``BNP+GN`` with the
     paper's start (μ = 0, σ² = 1: the package default) or ``BNP-bc`` / ``BNP+GN-bc`` with the
-    bias-corrected running statistics (``bias_correction=True``).
+    bias-corrected running statistics (``bias_correction=True``), ``BNP-col`` / ``BNP+GN-col`` with exact
+    per-column convolution statistics (``conv_statistics="column"``).
     """
 
     model: str  # "FC" (784-100×3), "FC2" (784-100×2), "CNN" (cnn5, 'valid' padding) or "R20" (ResNet-20 + GN)

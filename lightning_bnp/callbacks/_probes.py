@@ -204,7 +204,8 @@ def neuron_p(pre: BNPPreconditioner, layer: _Layer, index: int, *, centred: bool
     """BNP's P for output neuron ``index`` of ``layer`` (float64).
 
     A grouped convolution's neuron sees only its group's c_in/groups input channels, each repeated
-    over the kernel volume (§4). ``centred`` is false when the neuron has no (trainable) bias: then
+    over the kernel volume (§4), or with ``conv_statistics="column"`` its group's c_in/groups·k im2col
+    columns, one entry each (kernel volume 1 below). ``centred`` is false when the neuron has no (trainable) bias: then
     P = diag(1/σ̃), the block the transform applies to such a layer.
     """
     mu, var_t = statistics(pre, layer)

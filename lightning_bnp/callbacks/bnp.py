@@ -72,6 +72,12 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         sync_statistics: under DDP, pool each step's statistics over all ranks (one collective)
             so that every rank applies the same preconditioner to the all-reduced gradient.
         verbose: at setup, say on rank zero which layers BNP manages (one line).
+        conv_statistics: a convolution's μ, σ² per input channel (``"channel"``, the default: eqs. 21–22,
+            the paper's implementation of Alg. 3, one value per channel repeated over the kernel offsets) or
+            exactly per im2col column (``"column"``: eqs. 19–20, one value per input channel and kernel
+            offset over the patches that offset sees, padding zeros included; Alg. 2 applied to the unfolded
+            input, with Alg. 3's q²). ``"column"`` matters where feature maps are small next to the kernel
+            (Prop. 10); README "What it computes" and ``benchmarks/RESULTS.md`` §6 give its accuracy and cost.
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
@@ -84,6 +90,8 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
 
         trainer = Trainer(callbacks=[BatchNormPreconditioning()])
     """
+
+    _repr_if_set = ("conv_statistics",)
 
     def __init__(
         self,
@@ -98,6 +106,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         exclude: Union[list[str], str, None] = None,
         sync_statistics: bool = True,
         verbose: bool = True,
+        conv_statistics: Literal["channel", "column"] = "channel",
     ) -> None:
         self.layer_types, include, exclude = validate_bnp_arguments(
             rho,
@@ -109,8 +118,10 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             include=include,
             exclude=exclude,
             sync_statistics=sync_statistics,
+            conv_statistics=conv_statistics,
         )
         self.rho, self.eps1, self.eps2 = rho, eps1, eps2
+        self.conv_statistics: Literal["channel", "column"] = conv_statistics
         self.statistics: Literal["running", "batch"] = statistics
         self.bias_correction = bias_correction
         self.include, self.exclude = include, exclude
@@ -139,6 +150,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
                 include=self.include,
                 exclude=self.exclude,
                 sync_statistics=self.sync_statistics,
+                conv_statistics=self.conv_statistics,
             )
             self._model = pl_module
             if self.verbose:

@@ -6,6 +6,7 @@ is: their forward calls feed one set of statistics and the shared gradient is tr
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -57,8 +58,9 @@ class _Layer:
     has_bias: bool  # P has the centring block; statistics are centred
     groups: int
     fan_in: int  # weight[0].numel(): c_in/groups · kernel volume, or in_features
-    features: int  # length of μ: in_features or c_in
+    features: int  # length of μ: in_features, c_in, or c_in · kernel volume (per-column statistics)
     running: RunningStatistics
+    columns: bool  # per im2col column statistics (a ConvNd under conv_statistics="column")
     moments: Moments | None = None
     transform: StepTransform | None = None  # what the latest step applied
     tied: dict[str, nn.Module] = field(default_factory=dict)  # other modules sharing this weight
@@ -88,10 +90,16 @@ class _Layer:
 
 
 def make_layers(
-    model: nn.Module, selected: dict[str, nn.Module], *, rho: float, bias_correction: bool
+    model: nn.Module,
+    selected: dict[str, nn.Module],
+    *,
+    rho: float,
+    bias_correction: bool,
+    conv_statistics: str = "channel",
 ) -> dict[str, _Layer]:
     """One :class:`_Layer` per distinct weight of the ``selected`` modules: modules sharing a weight are one
-    layer (pooled like one module called twice).
+    layer (pooled like one module called twice). ``conv_statistics="column"``: convolutions keep one
+    statistic per im2col column (input channel, kernel offset) instead of one per input channel.
 
     Raises:
         ValueError: two modules share a weight but not their bias (P couples a weight with its bias).
@@ -100,7 +108,7 @@ def make_layers(
     for name, module in selected.items():
         weight = weight_leaf(module)
         if id(weight) not in layers:
-            layers[id(weight)] = _make_layer(name, module, rho, bias_correction)
+            layers[id(weight)] = _make_layer(name, module, rho, bias_correction, conv_statistics == "column")
             continue
         layer = layers[id(weight)]
         if module.bias is not layer.module.bias:
@@ -125,15 +133,17 @@ def make_layers(
     return {layer.name: layer for layer in layers.values()}
 
 
-def _make_layer(name: str, module: nn.Module, rho: float, bias_correction: bool) -> _Layer:
+def _make_layer(name: str, module: nn.Module, rho: float, bias_correction: bool, columns: bool) -> _Layer:
     weight: Tensor = module.weight  # type: ignore[assignment]  # shape and dtype only
     bias = module.bias
     if isinstance(module, nn.Linear):
-        groups, features = 1, module.in_features
+        groups, features, columns = 1, module.in_features, False
     else:
         assert isinstance(module, nn.modules.conv._ConvNd)
         groups, features = module.groups, module.in_channels
+        if columns:
+            features *= math.prod(module.kernel_size)
     dtype = statistics_dtype(weight.dtype)
     running = RunningStatistics(features, rho=rho, bias_correction=bias_correction, device=weight.device, dtype=dtype)
     has_bias = isinstance(bias, Tensor)
-    return _Layer(name, module, has_bias, groups, weight[0].numel(), features, running)
+    return _Layer(name, module, has_bias, groups, weight[0].numel(), features, running, columns)

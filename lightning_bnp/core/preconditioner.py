@@ -63,6 +63,7 @@ from lightning_bnp.core.selection import select_layers, validate_layer_types
 from lightning_bnp.core.statistics import (
     Moments,
     RunningStatistics,
+    column_moments_of_input,
     ema_update,
     moments_of_input,
 )
@@ -80,6 +81,7 @@ __all__ = [
 
 DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 StatisticsMode = Literal["running", "batch"]
+ConvStatistics = Literal["channel", "column"]
 
 
 # module → the attached preconditioner that manages it (so that a second one is refused)
@@ -97,6 +99,7 @@ def validate_bnp_arguments(
     include: Sequence[str] | str | None = None,
     exclude: Sequence[str] | str | None = None,
     sync_statistics: bool = True,
+    conv_statistics: str = "channel",
 ) -> tuple[list[str], list[str] | None, list[str] | None]:
     """Shared constructor checks; messages name the argument and the value.
 
@@ -113,6 +116,7 @@ def validate_bnp_arguments(
     check_choice("statistics", statistics, ("running", "batch"))
     check_bool("bias_correction", bias_correction)
     check_bool("sync_statistics", sync_statistics)
+    check_choice("conv_statistics", conv_statistics, ("channel", "column"))
     return validate_layer_types(layer_types), check_patterns("include", include), check_patterns("exclude", exclude)
 
 
@@ -179,6 +183,10 @@ class BNPPreconditioner(ArgumentsRepr):
         sync_statistics: under an initialised ``torch.distributed`` with several processes, pool
             the step's statistics over all ranks so that every rank applies the same P.
         process_group: the group to pool over (default: the world).
+        conv_statistics: a convolution's μ, σ² per input channel (``"channel"``, eqs. 21–22: the paper's
+            implementation of Alg. 3) or exactly per im2col column, one per input channel and kernel offset
+            over the patches that offset sees, padding included (``"column"``, eqs. 19–20: Alg. 2 applied
+            to the unfolded input, with Alg. 3's q² = max(c_in·k²/N, √(r·s))). README "What it computes".
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
@@ -210,6 +218,7 @@ class BNPPreconditioner(ArgumentsRepr):
         exclude: Sequence[str] | None = None,
         sync_statistics: bool = True,
         process_group: Any = None,
+        conv_statistics: ConvStatistics = "channel",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
@@ -223,15 +232,19 @@ class BNPPreconditioner(ArgumentsRepr):
             include=include,
             exclude=exclude,
             sync_statistics=sync_statistics,
+            conv_statistics=conv_statistics,
         )
         self.rho, self.eps1, self.eps2 = rho, eps1, eps2
+        self.conv_statistics = conv_statistics
         self.layer_types, self.include, self.exclude = layer_types, include, exclude
         self.statistics = statistics
         self.bias_correction = bias_correction
         self.sync_statistics = sync_statistics
         self.process_group = process_group
         selected = select_layers(model, layer_types, include, exclude)
-        self.layers: dict[str, _Layer] = make_layers(model, selected, rho=rho, bias_correction=bias_correction)
+        self.layers: dict[str, _Layer] = make_layers(
+            model, selected, rho=rho, bias_correction=bias_correction, conv_statistics=conv_statistics
+        )
         self._layer_list = list(self.layers.values())
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._collecting = True
@@ -243,6 +256,7 @@ class BNPPreconditioner(ArgumentsRepr):
         self.attach()
 
     _repr_skip = ("model",)
+    _repr_if_set = ("conv_statistics",)
 
     def _repr_extra(self) -> list[str]:
         return [f"layers={list(self.layers)!r}", f"attached={self.attached}"]
@@ -304,6 +318,8 @@ class BNPPreconditioner(ArgumentsRepr):
             self._collecting = previous
 
     def _make_hook(self, layer: _Layer) -> Any:
+        moments = column_moments_of_input if layer.columns else moments_of_input
+
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             # statistics only from training forward passes that build a graph for a gradient
             if not (self._collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad):
@@ -312,13 +328,13 @@ class BNPPreconditioner(ArgumentsRepr):
             if not isinstance(h, Tensor) or not isinstance(output, Tensor):
                 return
             if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
-                part = moments_of_input(module, h, output)
+                part = moments(module, h, output)
                 layer.moments = part if layer.moments is None else layer.moments.merge(part)
                 return
             node = output.grad_fn
             if node is None:
                 return
-            part = moments_of_input(module, h, output)  # on h.detach(): records no graph
+            part = moments(module, h, output)  # on h.detach(): records no graph
             node.register_prehook(self._count_when_reached(layer, part))
 
         return hook
@@ -559,14 +575,18 @@ class BNPPreconditioner(ArgumentsRepr):
 
     # ------------------------------------------------------------------ state
     def hyperparameters(self) -> dict[str, Any]:
-        """The settings that shape the running statistics and P (saved with them)."""
-        return {
+        """The settings that shape the running statistics and P (saved with them); ``conv_statistics`` only
+        when a convolution is managed (it shapes nothing else)."""
+        settings: dict[str, Any] = {
             "rho": self.rho,
             "eps1": self.eps1,
             "eps2": self.eps2,
             "statistics": self.statistics,
             "bias_correction": self.bias_correction,
         }
+        if any(isinstance(layer.module, nn.modules.conv._ConvNd) for layer in self._layer_list):
+            settings["conv_statistics"] = self.conv_statistics
+        return settings
 
     def state_dict(self) -> dict[str, Any]:
         """Running statistics per layer name (CPU tensors) and the :meth:`hyperparameters` they were made with."""
@@ -579,7 +599,9 @@ class BNPPreconditioner(ArgumentsRepr):
         """Restore :meth:`state_dict` output.
 
         Raises:
-            ValueError: the saved layer names differ from the managed ones.
+            ValueError: the saved layer names differ from the managed ones, or a layer's saved statistics
+                have another length (e.g. per-channel ones saved under ``conv_statistics="channel"`` loaded
+                into ``"column"``: they cannot be converted); nothing is loaded then.
         """
         saved = state["layers"]
         missing, unexpected = set(self.layers) - set(saved), set(saved) - set(self.layers)
@@ -588,9 +610,19 @@ class BNPPreconditioner(ArgumentsRepr):
                 f"BNP state does not match the managed layers: missing {sorted(missing)}, "
                 f"unexpected {sorted(unexpected)}"
             )
+        saved_settings, current = state.get("hyperparameters"), self.hyperparameters()
+        for name, layer_state in saved.items():
+            length, layer = layer_state["mean_acc"].numel(), self.layers[name]
+            if length != layer.features:
+                was = (saved_settings or {}).get("conv_statistics", "channel")
+                raise ValueError(
+                    f"BNP statistics of layer {name!r} have {length} entries, but it has {layer.features} with "
+                    f"conv_statistics={self.conv_statistics!r} (saved with conv_statistics={was!r}); per-channel "
+                    "and per-column statistics cannot be converted into each other. Resume with the saved "
+                    "`conv_statistics`, or start without the BNP state."
+                )
         for name, layer_state in saved.items():
             self.layers[name].running.load_state_dict(layer_state)
-        saved_settings, current = state.get("hyperparameters"), self.hyperparameters()
         changed = {k: (v, current[k]) for k, v in (saved_settings or {}).items() if current.get(k) != v}
         if changed:  # a deliberate change on resume is allowed, but it should not pass unnoticed
             described = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in sorted(changed.items()))

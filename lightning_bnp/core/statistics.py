@@ -10,19 +10,33 @@ Two objects live here:
   bias-corrected (Adam-style) so that the first ~1/(1−ρ) steps are not dominated by the
   initial values μ = 0, σ² = 1.
 
+Convolutions have two kinds of statistics (``conv_statistics``): per input channel (eqs. 21–22, the
+paper's implementation, :func:`moments_of_input`) or exactly per im2col column — one μ, σ² per input
+channel *and* kernel offset over the patches that offset sees, padding zeros included (eqs. 19–20,
+:func:`column_moments_of_input`).
+
 Statistics are float32 whatever the autocast dtype of the forward pass (half and bfloat16 inputs
 are upcast); float64 models keep float64.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Moments", "RunningStatistics", "ema_update", "moments_of_input", "statistics_dtype"]
+__all__ = [
+    "Moments",
+    "RunningStatistics",
+    "column_moments_of_input",
+    "ema_update",
+    "moments_of_input",
+    "statistics_dtype",
+]
 
 
 @dataclass
@@ -31,11 +45,12 @@ class Moments:
 
     Attributes:
         rows: number of rows of H that were averaged (Linear: every leading index; ConvNd:
-            batch × input spatial positions, eqs. 21–22).
+            batch × input spatial positions, eqs. 21–22; per-column ConvNd statistics: batch × output
+            positions, the rows of the unfolded input).
         samples: the paper's N — rows for Linear, batch entries for ConvNd.
         out_positions: output positions summed over samples (ConvNd; equals ``samples`` for Linear).
             ``out_positions / samples`` is the r·s of q² in Alg. 3 step 3.
-        mean: per-feature / per-input-channel mean μ_H (float32, or float64 for float64 inputs).
+        mean: per-feature / per-input-channel / per-column mean μ_H (float32, or float64 for float64 inputs).
         var: per-feature biased (1/n) variance σ²_H of eq. 13 / 22, same dtype.
     """
 
@@ -117,6 +132,102 @@ def moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
     samples = h.shape[0]
     mean, var = _per_channel_mean_var(h)
     return Moments(h.numel() // h.shape[1], samples, samples * math.prod(output.shape[2:]), mean, var)
+
+
+def column_moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
+    """Exact per-column statistics of a ConvNd input (eqs. 19–20): the mean and biased variance of every
+    column of the unfolded input ``F.unfold(h)`` — one per (input channel, kernel offset), in the order of
+    ``weight[o].flatten()`` across all input channels — over its N·(output positions) rows, padding zeros
+    (or the reflected / replicated / circular values of ``padding_mode``) included.
+
+    The unfolded matrix is never built. The sum of the entries one kernel offset sees over every sample
+    and output position is a *window sum* of the batch-summed input (:func:`_window_sums`): with the
+    input shifted by its per-channel mean a_c, S1 = Σ(h − a) and S2 = Σ(h − a)² over the real entries
+    of each column, and the column's p padding zeros add −a and a² each:
+
+    .. math::
+        μ_k = a + \\frac{S1_k - p_k a}{R}, \\qquad σ_k^2 = \\frac{S2_k + p_k a^2}{R} - (μ_k - a)^2,
+
+    R = N·(output positions). Shifting before squaring keeps σ² accurate when |μ| ≫ σ (a raw Σh² would
+    cancel). Unbatched (C, *spatial) inputs count as a batch of one.
+    """
+    assert isinstance(layer, nn.modules.conv._ConvNd)
+    h = h.detach()
+    kernel = tuple(layer.kernel_size)
+    channels = int(layer.in_channels)
+    if h.numel() == 0:
+        return Moments.empty(channels * math.prod(kernel), h.device, statistics_dtype(h.dtype))
+    if h.dtype not in (torch.float32, torch.float64):
+        h = h.float()  # half / bfloat16 (autocast): statistics in float32
+    if h.dim() == len(kernel) + 1:  # unbatched input
+        h, output = h.unsqueeze(0), output.unsqueeze(0)
+    # (left, right) per spatial dimension, first dimension first (torch stores it reversed, last first)
+    pads = layer._reversed_padding_repeated_twice
+    left = tuple(int(pads[2 * i]) for i in reversed(range(len(kernel))))
+    if layer.padding_mode != "zeros":  # the layer pads with values: the unfolded matrix holds them
+        h, left = F.pad(h, pads, mode=layer.padding_mode), (0,) * len(kernel)
+    samples, positions = h.shape[0], tuple(output.shape[2:])
+    shift = h.mean([0, *range(2, h.dim())], keepdim=True)  # a_c: per-channel mean of the real entries
+    centred = h - shift
+    first = centred.sum(0)
+    sums = torch.stack([first, centred.square_().sum(0)])  # (2, C, *spatial): Σ_n (h − a), Σ_n (h − a)²
+    geometry = (tuple(h.shape[2:]), left, kernel, tuple(layer.stride), tuple(layer.dilation), positions)
+    window = _window_sums(sums, *geometry[1:])
+    rows = samples * math.prod(positions)
+    # traced by torch.compile without its cache (dynamo calls the wrapped function either way)
+    counts = _real_counts.__wrapped__ if torch.compiler.is_compiling() else _real_counts
+    padded = samples * (math.prod(positions) - counts(*geometry, h.device))
+    a = shift.view(channels, 1)
+    delta = (window[0] - padded * a) / rows  # μ_k − a
+    var = (window[1] + padded * a.square()) / rows - delta.square()
+    return Moments(rows, samples, rows, (a + delta).flatten(), var.clamp_min_(0.0).flatten())
+
+
+def _window_sums(
+    x: Tensor,
+    left: tuple[int, ...],
+    kernel: tuple[int, ...],
+    stride: tuple[int, ...],
+    dilation: tuple[int, ...],
+    positions: tuple[int, ...],
+) -> Tensor:
+    """``out[…, k] = Σ_o x[…, o·stride + k·dilation − left]`` (zero outside ``x``) for every kernel offset k,
+    the sum over output positions o of what offset k sees. Leading dimensions of ``x`` are (2, C).
+
+    It is a convolution with stride and dilation swapped: a kernel of ones over the output grid, dilated
+    by the layer's stride and stepped by its dilation (what ``torch.nn.grad.conv_weight`` computes with
+    a gradient of ones, on the batch-summed input).
+    """
+    lead, spatial = x.shape[:2], x.shape[2:]
+    pad: list[int] = []
+    for size, lo, k, s, d, o in reversed(list(zip(spatial, left, kernel, stride, dilation, positions))):
+        pad += [lo, max(0, (o - 1) * s + (k - 1) * d + 1 - lo - size)]  # F.pad: last dimension first
+    flat = F.pad(x.reshape(-1, 1, *spatial), pad)
+    ones = torch.ones(1, 1, *positions, dtype=x.dtype, device=x.device)
+    conv = (F.conv1d, F.conv2d, F.conv3d)[len(spatial) - 1]
+    out = conv(flat, ones, stride=dilation, dilation=stride)
+    for dim, k in enumerate(kernel, start=2):  # the conv may give more than the k offsets: keep the first k
+        out = out.narrow(dim, 0, k)
+    return out.reshape(*lead, math.prod(kernel))
+
+
+@functools.lru_cache(maxsize=256)
+def _real_counts(
+    spatial: tuple[int, ...],
+    left: tuple[int, ...],
+    kernel: tuple[int, ...],
+    stride: tuple[int, ...],
+    dilation: tuple[int, ...],
+    positions: tuple[int, ...],
+    device: torch.device,
+) -> Tensor:
+    """Per kernel offset (flattened), how many output positions read a real entry of the input, not padding.
+    Host arithmetic, cached per shape (it is the same every step)."""
+    counts = torch.ones((), dtype=torch.int64)
+    for size, lo, k, s, d, o in zip(spatial, left, kernel, stride, dilation, positions):
+        per_offset = [sum(0 <= i * s + j * d - lo < size for i in range(o)) for j in range(k)]
+        counts = counts.unsqueeze(-1) * torch.tensor(per_offset)
+    return counts.flatten().to(device)
 
 
 # where ATen implements batch_norm_update_stats (it has no fake-tensor rule either, so torch.compile cannot trace it)

@@ -17,6 +17,11 @@ which Alg. 2/3 steps 4–5 write without matrices:
 
 Layers without bias have no centring direction: P = diag(1/σ̃) and only the first formula with
 μ = 0 applies (σ̃² is then built from the uncentred second moment, see ``preconditioner.py``).
+
+A convolution's μ, σ̃² have one entry per input channel j (eq. 23: P uses μ⊗e, σ̃⊗e, the channel's
+value repeated over its kernel offsets) or, with ``conv_statistics="column"``, one per im2col column
+(input channel, kernel offset): then P is Alg. 2's P of the unfolded input and j above runs over the
+columns. Which one a vector is follows from its length (c_in or c_in·kernel volume).
 """
 
 from __future__ import annotations
@@ -54,20 +59,37 @@ def q_squared(fan_in: int, samples: int, out_positions_per_sample: float) -> flo
 
 @functools.lru_cache(maxsize=512)
 def _broadcast_shapes(
-    shape: tuple[int, ...], groups: int
-) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, tuple[int, ...]]:
-    """How a weight gradient of ``shape`` meets per-input-channel vectors (c_in,) and its bias gradient (out,).
+    shape: tuple[int, ...], groups: int, features: int
+) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None, tuple[int, ...], bool]:
+    """How a weight gradient of ``shape`` meets the statistics vectors (``features`` entries: c_in, or
+    c_in·kernel volume for per-column statistics) and its bias gradient (out,).
 
-    Returns ``(gradient view, channel-vector view, bias view)``, ``None`` where the tensor is used as it
-    is. With groups, the gradient is viewed as (groups, out/groups, c_in/groups, *k): output channel o
+    Returns ``(gradient view, statistics view, bias view, per_column)``, ``None`` where the tensor is used as
+    it is. With groups, the gradient is viewed as (groups, out/groups, c_in/groups, *k): output channel o
     belongs to group o // (out/groups) and sees that group's input channels only. Cached per shape: the
     step runs this for every layer every step (issue 16).
+
+    Raises:
+        ValueError: ``features`` fits neither per-channel nor per-column statistics of this weight.
     """
     out, cin_g, kernel = shape[0], shape[1], shape[2:]
+    kernel_volume = math.prod(kernel)
+    per_column = kernel_volume > 1 and features == groups * cin_g * kernel_volume
+    if not per_column and features != groups * cin_g:
+        raise ValueError(
+            f"statistics of {features} entries fit neither the {groups * cin_g} input channels nor the "
+            f"{groups * cin_g * kernel_volume} im2col columns of a weight of shape {shape} with groups={groups}"
+        )
     ones = (1,) * len(kernel)
+    spread = kernel if per_column else ones  # per column: one entry per kernel offset
     if groups == 1:  # Linear: a (c_in,) vector broadcasts against (out, c_in) as it is
-        return None, ((cin_g, *ones) if kernel else None), (out, 1, *ones)
-    return (groups, out // groups, cin_g, *kernel), (groups, 1, cin_g, *ones), (groups, out // groups, 1, *ones)
+        return None, ((cin_g, *spread) if kernel else None), (out, 1, *ones), per_column
+    return (
+        (groups, out // groups, cin_g, *kernel),
+        (groups, 1, cin_g, *spread),
+        (groups, out // groups, 1, *ones),
+        per_column,
+    )
 
 
 @torch.no_grad()
@@ -84,8 +106,9 @@ def precondition_(
     Args:
         grad_w: weight gradient, (out, in) or (out, c_in/groups, *kernel).
         grad_b: bias gradient (out,), or ``None`` for a layer without bias.
-        mu: per-input-channel mean μ (c_in,), or ``None`` for a layer without bias.
-        var_t: per-input-channel σ̃² (c_in,).
+        mu: mean μ per input channel (c_in,) or per im2col column (c_in·kernel volume,), or ``None`` for a
+            layer without bias.
+        var_t: σ̃², same length as μ.
         q2: the scale q².
         groups: convolution groups (1 for Linear).
     """
@@ -121,9 +144,10 @@ def precondition_scaled_(
     in one flat product). Every elementwise step is one foreach call for all layers, on views that need no
     copy; the bias update is one matrix–vector product per centred layer (issue 16)."""
     with torch.no_grad():
-        gw, scale_w, centred, mu_w, gb_w = [], [], [], [], []
+        gw, scale_w, centred, mu_w, gb_w, columns = [], [], [], [], [], []
         for i, (g, k, scale, gb, mu) in enumerate(zip(grads_w, groups, scales, grads_b, mus)):
-            g_shape, v_shape, b_shape = _broadcast_shapes(tuple(g.shape), k)
+            g_shape, v_shape, b_shape, per_column = _broadcast_shapes(tuple(g.shape), k, scale.numel())
+            columns.append(per_column)
             g = g if g_shape is None else g.view(g_shape)
             scale = scale if scale.dtype == g.dtype else scale.to(g.dtype)  # applied in the gradient's dtype
             gw.append(g)
@@ -139,10 +163,10 @@ def precondition_scaled_(
         for i, mu in zip(centred, mu_w):  # G_b ← G_b/q² − Σ_j μ_j G_w_new[i, j]
             g, grad_b, beta = gw[i], grads_b[i], 1.0 / q2s[i]
             assert grad_b is not None
-            if groups[i] == 1:  # kernel positions summed first: (out, c_in)
-                per_channel = g if g.dim() == 2 else g.flatten(2).sum(-1)
+            if groups[i] == 1:  # kernel positions summed first: (out, c_in); per column: (out, c_in·k)
+                per_channel = g if g.dim() == 2 else (g.flatten(1) if columns[i] else g.flatten(2).sum(-1))
                 grad_b.addmv_(per_channel, mu if mu.dim() == 1 else mu.view(-1), beta=beta, alpha=-1.0)
-            else:  # per group: (groups, out/g, c_in/g) @ (groups, c_in/g, 1)
-                per_channel = g.flatten(3).sum(-1)
-                mu_g = mu.reshape(g.shape[0], g.shape[2], 1)
+            else:  # per group: (groups, out/g, c_in/g) @ (groups, c_in/g, 1), or c_in/g·k per column
+                per_channel = g.flatten(2) if columns[i] else g.flatten(3).sum(-1)
+                mu_g = mu.reshape(g.shape[0], per_channel.shape[2], 1)
                 grad_b.view(g.shape[0], g.shape[1], 1).baddbmm_(per_channel, mu_g, beta=beta, alpha=-1.0)

@@ -80,11 +80,14 @@ def main() -> None:
     parser.add_argument("--no-sync", action="store_true")
     parser.add_argument("--statistics", choices=["running", "batch"], default="running")
     parser.add_argument("--gradient-penalty", type=float, default=0.0)
+    parser.add_argument("--conv-statistics", choices=["channel", "column"], default="channel")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     make_net, shape = NETS[args.net]
-    bnp = BatchNormPreconditioning(sync_statistics=not args.no_sync, statistics=args.statistics)
+    bnp = BatchNormPreconditioning(
+        sync_statistics=not args.no_sync, statistics=args.statistics, conv_statistics=args.conv_statistics
+    )
     callbacks: list[pl.Callback] = [bnp, SaveFinalState(args.out, bnp)]
     if args.gradient_penalty > 0:
         callbacks.append(ZSpaceRegularization(gradient_penalty=args.gradient_penalty))
