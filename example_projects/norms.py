@@ -30,7 +30,25 @@ def _channel_view(v: Tensor, x: Tensor) -> Tensor:
     return v.view(1, -1, *([1] * (x.dim() - 2)))
 
 
-class BatchRenorm(nn.Module):
+class _ChannelNorm(nn.Module):
+    """γ, β (C,) and the moving mean (C,) of a per-channel normalization, with validated ``momentum`` and ``eps``."""
+
+    running_mean: Tensor
+
+    def __init__(self, num_features: int, momentum: float, eps: float) -> None:
+        super().__init__()
+        check_int("num_features", num_features, low=1)
+        self.momentum = check_float("momentum", momentum, low=0.0, high=1.0, low_open=True)
+        self.eps = check_float("eps", eps, low=0.0, low_open=True)
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+
+    def _affine(self, x_hat: Tensor) -> Tensor:
+        return _channel_view(self.weight, x_hat) * x_hat + _channel_view(self.bias, x_hat)
+
+
+class BatchRenorm(_ChannelNorm):
     """Batch Renormalization (Ioffe 2017, Algorithm 1).
 
     .. math::
@@ -57,7 +75,6 @@ class BatchRenorm(nn.Module):
         eps: ε inside the square roots (TensorFlow's default 1e-3).
     """
 
-    running_mean: Tensor
     running_std: Tensor
     num_batches_tracked: Tensor
 
@@ -73,19 +90,13 @@ class BatchRenorm(nn.Module):
         momentum: float = 0.01,
         eps: float = 1e-3,
     ) -> None:
-        super().__init__()
-        check_int("num_features", num_features, low=1)
+        super().__init__(num_features, momentum, eps)
         self.rmax = check_float("rmax", rmax, low=1.0)
         self.dmax = check_float("dmax", dmax, low=0.0)
         self.relax_start = check_int("relax_start", relax_start, low=0)
         for name, end in (("rmax_end", rmax_end), ("dmax_end", dmax_end)):
             check_int(name, end, low=relax_start + 1)
         self.rmax_end, self.dmax_end = rmax_end, dmax_end
-        self.momentum = check_float("momentum", momentum, low=0.0, high=1.0, low_open=True)
-        self.eps = check_float("eps", eps, low=0.0, low_open=True)
-        self.weight = nn.Parameter(torch.ones(num_features))
-        self.bias = nn.Parameter(torch.zeros(num_features))
-        self.register_buffer("running_mean", torch.zeros(num_features))
         self.register_buffer("running_std", torch.ones(num_features))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
 
@@ -100,10 +111,9 @@ class BatchRenorm(nn.Module):
 
     @override
     def forward(self, x: Tensor) -> Tensor:
-        gamma, beta = _channel_view(self.weight, x), _channel_view(self.bias, x)
         if not self.training:
             mu, sigma = _channel_view(self.running_mean, x), _channel_view(self.running_std, x)
-            return gamma * (x - mu) / sigma + beta
+            return self._affine((x - mu) / sigma)
         dims = _reduce_dims(x)
         mu_b = x.mean(dims)
         sigma_b = torch.sqrt(x.var(dims, unbiased=False) + self.eps)
@@ -115,10 +125,10 @@ class BatchRenorm(nn.Module):
             self.running_std.add_(self.momentum * (sigma_b - self.running_std))
             self.num_batches_tracked.add_(1)
         x_hat = (x - _channel_view(mu_b, x)) / _channel_view(sigma_b, x) * _channel_view(r, x) + _channel_view(d, x)
-        return gamma * x_hat + beta
+        return self._affine(x_hat)
 
 
-class GhostBatchNorm(nn.Module):
+class GhostBatchNorm(_ChannelNorm):
     """BN over ghost batches, with inference example weighing (Summers & Dinneen 2020).
 
     Training: the mini-batch is split into consecutive ghost batches of ``ghost_batch_size`` samples (the
@@ -140,7 +150,6 @@ class GhostBatchNorm(nn.Module):
         eps: added to the variances.
     """
 
-    running_mean: Tensor
     running_var: Tensor
 
     def __init__(
@@ -152,20 +161,13 @@ class GhostBatchNorm(nn.Module):
         momentum: float = 0.1,
         eps: float = 1e-5,
     ) -> None:
-        super().__init__()
-        check_int("num_features", num_features, low=1)
+        super().__init__(num_features, momentum, eps)
         self.ghost_batch_size = check_int("ghost_batch_size", ghost_batch_size, low=0)
         self.example_weight = check_float("example_weight", example_weight, low=0.0, high=1.0, high_open=True)
-        self.momentum = check_float("momentum", momentum, low=0.0, high=1.0, low_open=True)
-        self.eps = check_float("eps", eps, low=0.0, low_open=True)
-        self.weight = nn.Parameter(torch.ones(num_features))
-        self.bias = nn.Parameter(torch.zeros(num_features))
-        self.register_buffer("running_mean", torch.zeros(num_features))
         self.register_buffer("running_var", torch.ones(num_features))
 
     @override
     def forward(self, x: Tensor) -> Tensor:
-        gamma, beta = _channel_view(self.weight, x), _channel_view(self.bias, x)
         if not self.training:
             mu, var = _channel_view(self.running_mean, x), _channel_view(self.running_var, x)
             if self.example_weight > 0:
@@ -178,7 +180,7 @@ class GhostBatchNorm(nn.Module):
                 a = self.example_weight
                 mu = a * x.mean(spatial, keepdim=True) + (1 - a) * mu
                 var = a * x.var(spatial, unbiased=False, keepdim=True) + (1 - a) * var
-            return gamma * (x - mu) / torch.sqrt(var + self.eps) + beta
+            return self._affine((x - mu) / torch.sqrt(var + self.eps))
         size = self.ghost_batch_size or x.shape[0]
         outputs, means, variances = [], [], []
         for chunk in x.split(size):
@@ -191,7 +193,7 @@ class GhostBatchNorm(nn.Module):
         with torch.no_grad():
             self.running_mean.lerp_(torch.stack(means).mean(0), self.momentum)
             self.running_var.lerp_(torch.stack(variances).mean(0), self.momentum)
-        return gamma * torch.cat(outputs) + beta
+        return self._affine(torch.cat(outputs))
 
 
 def four_things_norm(

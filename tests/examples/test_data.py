@@ -20,6 +20,8 @@ import torch
 from example_projects.cnn_cifar.__main__ import cli_main as cnn_cifar_main
 from example_projects.data import ImageDataModule
 from example_projects.fc_mnist.__main__ import cli_main as fc_mnist_main
+from example_projects.resnet_gn.__main__ import cli_main as resnet_gn_main
+from example_projects.resnet_imagenet.__main__ import cli_main as resnet_imagenet_main
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 
@@ -319,3 +321,44 @@ def test_subtract_pixel_mean_removes_the_training_mean_image(tmp_path: Path, mon
         rtol=0,
         atol=1e-6,
     )
+
+
+def test_preact_resnet_config_trains_on_cifar100_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cifar100(tmp_path / "data", monkeypatch)  # the config's relative data_dir "data", inside tmp_path
+    config = Path(__file__).resolve().parents[2] / "example_projects/resnet_gn/configs/preact_bnp_gn_110_c100.yaml"
+    cli = resnet_gn_main(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--model.depth=8",
+            "--data.batch_size=4",
+            "--data.eval_batch_size=3",
+            "--trainer.fast_dev_run=true",
+            *QUIET,
+        ]
+    )
+    assert cli.datamodule.hparams["dataset_used"] == "cifar100"
+    assert cli.model.hparams["num_classes"] == 100 and cli.model.hparams["input_shape"] == (3, 32, 32)
+    assert [len(cli.datamodule.splits[s]) for s in ("train", "val")] == [12, 6]  # val_size 0: all training images
+    assert cli.trainer.state.finished
+
+
+def test_resnet18_config_trains_on_an_image_folder(tmp_path: Path) -> None:
+    fake_image_folder(tmp_path / "data")
+    config = Path(__file__).resolve().parents[2] / "example_projects/resnet_imagenet/configs/bnp_gn.yaml"
+    cli = resnet_imagenet_main(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--data.batch_size=2",
+            "--data.eval_batch_size=2",
+            "--data.num_workers=0",
+            "--trainer.fast_dev_run=true",
+            *QUIET,
+        ]
+    )
+    assert cli.datamodule.hparams["dataset_used"] == "imagenet"
+    assert cli.model.hparams["num_classes"] == 3 and cli.model.hparams["input_shape"] == (3, 224, 224)
+    assert cli.trainer.state.finished
