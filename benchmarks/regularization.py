@@ -6,7 +6,9 @@ settings, trained side by side in one process for each variant and seed:
 * ``none`` — BNP alone; ``z-decay`` — ZSpaceRegularization(weight_decay=λ, decay_space="z");
   ``p-decay`` — the same λ as L2 in p (decay_space="p");
 * ``z-gradient (fd)`` / ``z-gradient (exact)`` — gradient regularization in z with the finite-difference
-  or double-backprop Hessian-vector product, to measure what it costs per step.
+  or double-backprop Hessian-vector product, to measure what it costs per step;
+* ``p-gradient (exact)`` — gradient regularization in p (paper 001 eq. 11, ``gradient_penalty_space="p"``),
+  for comparison with the z version.
 
 Writes ``benchmarks/out/regularization.md`` (final test accuracy mean [min, max] over seeds, median
 step time and its ratio to ``none``) and ``regularization.png`` (training-loss curves, mean and
@@ -60,9 +62,10 @@ def run(variant: str, lam: float, seed: int, epochs: int) -> tuple[float, Record
     callbacks: list[pl.Callback] = [BatchNormPreconditioning()]
     if variant in ("z-decay", "p-decay"):
         callbacks.append(ZSpaceRegularization(weight_decay=lam, decay_space=variant[0]))  # type: ignore[arg-type]
-    elif variant.startswith("z-gradient"):
+    elif "-gradient" in variant:
         hvp = "finite_difference" if "fd" in variant else "double_backprop"
-        callbacks.append(ZSpaceRegularization(gradient_penalty=lam, hvp=hvp))  # type: ignore[arg-type]
+        space = variant[0]
+        callbacks.append(ZSpaceRegularization(gradient_penalty=lam, gradient_penalty_space=space, hvp=hvp))  # type: ignore[arg-type]
     recorder = Recorder()
     trainer = pl.Trainer(
         max_epochs=epochs,
@@ -90,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     name = "regularization" if args.lam == 1e-3 else f"regularization_lam{args.lam:g}"
-    variants = ["none", "z-decay", "p-decay", "z-gradient (fd)", "z-gradient (exact)"]
+    variants = ["none", "z-decay", "p-decay", "z-gradient (fd)", "z-gradient (exact)", "p-gradient (exact)"]
     results: dict[str, list[tuple[float, Recorder]]] = {v: [] for v in variants}
     for seed in range(args.seeds):
         for variant in variants:  # interleaved: load changes hit every variant alike

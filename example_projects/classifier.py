@@ -6,7 +6,7 @@ The example projects' LightningModules subclass it and build ``network`` from si
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -92,3 +92,75 @@ class Classifier(pl.LightningModule):
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+
+class ScheduledClassifier(Classifier):
+    """Momentum SGD with a learning-rate warm-up and step decay, as the BNP paper's ResNets (Appendix B).
+
+    The warm-up is a per-step scheduler — :class:`~torch.optim.lr_scheduler.ConstantLR` (He et al. 2016a's
+    "0.01 until training error is below 80%, about 400 iterations, then back to 0.1") or
+    :class:`~torch.optim.lr_scheduler.LinearLR` (0.01 rising to 0.1, Appendix B for GN and BNP+GN) — and
+    the decay a per-epoch :class:`~torch.optim.lr_scheduler.MultiStepLR` on the same optimizer; both are
+    chainable, so the decay multiplies whatever the warm-up left.
+
+    Args:
+        network: the model mapping images to logits.
+        lr: peak learning rate.
+        momentum: SGD momentum.
+        num_classes: number of classes for the accuracy metrics.
+        weight_decay: SGD's L2 weight decay on every parameter (after BNP's transform: decay in z, README).
+        warmup: ``"constant"`` or ``"linear"``.
+        warmup_start_lr: learning rate during (constant) or at the start of (linear) the warm-up.
+        warmup_steps: optimizer steps of the warm-up (0: none).
+        milestones: epochs at which the learning rate is multiplied by ``lr_decay``.
+        lr_decay: the factor applied at each milestone.
+        compile: ``torch.compile`` the network.
+    """
+
+    def __init__(
+        self,
+        network: nn.Module,
+        *,
+        lr: float,
+        momentum: float,
+        num_classes: int,
+        weight_decay: float,
+        warmup: Literal["constant", "linear"],
+        warmup_start_lr: float,
+        warmup_steps: int,
+        milestones: tuple[int, ...],
+        lr_decay: float,
+        compile: bool,
+    ) -> None:
+        if warmup not in ("constant", "linear"):
+            raise ValueError(f"`warmup` must be 'constant' or 'linear', got {warmup!r}")
+        if not 0 < warmup_start_lr <= lr:
+            raise ValueError(f"`warmup_start_lr` must be in (0, lr={lr}], got {warmup_start_lr}")
+        if warmup_steps < 0:
+            raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps}")
+        if not 0 < lr_decay <= 1:
+            raise ValueError(f"`lr_decay` must be in (0, 1], got {lr_decay}")
+        super().__init__(
+            network, lr=lr, momentum=momentum, num_classes=num_classes, weight_decay=weight_decay, compile=compile
+        )
+        self.warmup, self.warmup_start_lr, self.warmup_steps = warmup, warmup_start_lr, warmup_steps
+        self.milestones, self.lr_decay = list(milestones), lr_decay
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        optimizer = torch.optim.SGD(
+            self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
+        schedulers: list[dict[str, Any]] = []
+        if self.warmup_steps:
+            factor = self.warmup_start_lr / self.lr
+            warmup = (
+                torch.optim.lr_scheduler.ConstantLR(optimizer, factor=factor, total_iters=self.warmup_steps)
+                if self.warmup == "constant"
+                else torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=factor, total_iters=self.warmup_steps)
+            )
+            schedulers.append({"scheduler": warmup, "interval": "step", "name": "lr/warmup"})
+        decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=self.milestones, gamma=self.lr_decay)
+        schedulers.append({"scheduler": decay, "interval": "epoch", "name": "lr/decay"})
+        # Lightning accepts scheduler dicts here; its type alias only names the LRSchedulerConfig dataclass
+        return cast(OptimizerLRScheduler, ([optimizer], schedulers))

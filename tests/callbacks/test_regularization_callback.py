@@ -44,6 +44,9 @@ def explicit_step_quantities(net: nn.Sequential, x: Tensor, y: Tensor) -> dict[s
     with torch.no_grad():
         inputs = {"0": x, "3": net[2](net[1](net[0](x)))}
     m = torch.eye(flat.numel(), dtype=torch.float64)
+    p_q = torch.eye(flat.numel(), dtype=torch.float64)  # p = P_q·z, M = P_q·P_qᵀ
+    z_weights = torch.zeros_like(flat)  # z's weight coordinates of the BNP layers
+    penalty_scale = torch.zeros_like(flat)  # q²·σ̃²_j on each BNP weight: λ‖z_w‖² = λ·Σ q²σ̃²_j w_ij²
     for layer, h in inputs.items():
         mu, var = h.mean(0), h.var(0, unbiased=False)
         var_t = var + 1e-2 * var.max() + 1e-4
@@ -56,10 +59,22 @@ def explicit_step_quantities(net: nn.Sequential, x: Tensor, y: Tensor) -> dict[s
         for i in range(n_out):
             idx = [offsets[f"{layer}.bias"] + i] + [offsets[f"{layer}.weight"] + i * n_in + j for j in range(n_in)]
             m[torch.tensor(idx)[:, None], torch.tensor(idx)[None, :]] = block
+            p_q[torch.tensor(idx)[:, None], torch.tensor(idx)[None, :]] = p / q2**0.5
+            z_weights[torch.tensor(idx[1:])] = 1.0
+            penalty_scale[torch.tensor(idx[1:])] = q2 * var_t
     decay_mask = torch.zeros_like(flat)
     for name in ("0.weight", "3.weight"):  # exclude_bias_and_norm=True keeps only the BNP weights
         decay_mask[offsets[name] : offsets[name] + dict(zip(names, sizes))[name]] = 1.0
-    return {"p": flat.detach(), "g": g, "H": hessian, "M": m, "mask": decay_mask}
+    return {
+        "p": flat.detach(),
+        "g": g,
+        "H": hessian,
+        "M": m,
+        "mask": decay_mask,
+        "P": p_q,
+        "z_weights": z_weights,
+        "penalty_scale": penalty_scale,
+    }
 
 
 def lightning_step(tmp_path: Path, callbacks: list[Any], net: nn.Module) -> Tensor:
@@ -82,9 +97,9 @@ LAM = 0.3
     [
         ({"weight_decay": LAM, "decay_space": "z"}, lambda q: q["M"] @ q["g"] + 2 * LAM * q["p"]),
         ({"weight_decay": LAM, "decay_space": "p"}, lambda q: q["M"] @ (q["g"] + 2 * LAM * q["p"])),
-        (
+        (  # gradient descent in z on λ‖z_w‖²: p moves by P·∇_z, z = P⁻¹p (the bias coordinate of z not decayed)
             {"weight_decay": LAM, "decay_space": "z", "exclude_bias_and_norm": True},
-            lambda q: q["M"] @ q["g"] + 2 * LAM * q["mask"] * q["p"],
+            lambda q: q["M"] @ q["g"] + q["P"] @ (2 * LAM * q["z_weights"] * torch.linalg.solve(q["P"], q["p"])),
         ),
         (
             {"weight_decay": LAM, "decay_space": "p", "exclude_bias_and_norm": True},
@@ -94,6 +109,10 @@ LAM = 0.3
             {"gradient_penalty": LAM, "hvp": "double_backprop"},
             lambda q: q["M"] @ q["g"] + 2 * LAM * q["M"] @ q["H"] @ q["M"] @ q["g"],
         ),
+        (  # paper 001 eq. 11: M·∇_p(L + λ‖∇_p L‖²)
+            {"gradient_penalty": LAM, "gradient_penalty_space": "p", "hvp": "double_backprop"},
+            lambda q: q["M"] @ (q["g"] + 2 * LAM * q["H"] @ q["g"]),
+        ),
     ],
 )
 def test_one_sgd_step_equals_the_formula(tmp_path: Path, quantities: dict, kwargs: dict, expected: Any) -> None:
@@ -102,6 +121,31 @@ def test_one_sgd_step_equals_the_formula(tmp_path: Path, quantities: dict, kwarg
     bnp = BatchNormPreconditioning(bias_correction=True)
     new = lightning_step(tmp_path, [bnp, ZSpaceRegularization(**kwargs)], make_net())
     torch.testing.assert_close(new, quantities["p"] - LR * expected(quantities), rtol=1e-9, atol=1e-11)
+
+
+def test_z_decay_without_bias_is_the_documented_penalty(tmp_path: Path, quantities: dict) -> None:
+    """README's formula for the default (`exclude_bias_and_norm=True`): g = M∇L + 2λ·(w; −μᵀw per neuron),
+    which is M·∇_p of λ·Σ q²σ̃²_j w_ij² — checked here against that penalty's explicit gradient."""
+    q = quantities
+    penalty_grad = 2 * LAM * q["penalty_scale"] * q["p"]  # ∇_p λ Σ q²σ̃² w²
+    bnp = BatchNormPreconditioning(bias_correction=True)
+    new = lightning_step(tmp_path, [bnp, ZSpaceRegularization(weight_decay=LAM)], make_net())
+    torch.testing.assert_close(new, q["p"] - LR * q["M"] @ (q["g"] + penalty_grad), rtol=1e-9, atol=1e-11)
+    # and the decay is no longer a field that is asymmetric in z: λ‖z_w‖² has the Hessian 2λ·diag(z_weights)
+    field = torch.linalg.solve(q["P"], q["M"] @ penalty_grad)  # P⁻¹ · (p-direction) = ∇_z
+    torch.testing.assert_close(field, 2 * LAM * q["z_weights"] * torch.linalg.solve(q["P"], q["p"]))
+
+
+@pytest.mark.parametrize("hvp", ["double_backprop", "finite_difference"])
+def test_gradient_penalty_in_p_without_bnp_equals_the_one_in_z(tmp_path: Path, hvp: str) -> None:
+    """Without BNP, M = I: eq. 11 and eq. 12 are the same update."""
+    steps = [
+        lightning_step(
+            tmp_path, [ZSpaceRegularization(gradient_penalty=LAM, gradient_penalty_space=s, hvp=hvp)], make_net()
+        )
+        for s in ("z", "p")
+    ]
+    torch.testing.assert_close(steps[0], steps[1], rtol=1e-12, atol=1e-14)
 
 
 def test_finite_difference_gradient_penalty_is_close_to_the_formula(tmp_path: Path, quantities: dict) -> None:
@@ -229,6 +273,10 @@ def test_decay_works_with_manual_optimization(tmp_path: Path) -> None:
             r"`hvp` must be 'finite_difference' or 'double_backprop', got 'exact'",
         ),
         ({"gradient_penalty": 0.1, "fd_step": 0.0}, r"`fd_step` must be a finite number > 0, got 0.0"),
+        (
+            {"gradient_penalty": 0.1, "gradient_penalty_space": "w"},
+            r"`gradient_penalty_space` must be 'z' or 'p', got 'w'",
+        ),
     ],
 )
 def test_invalid_arguments(kwargs: dict, match: str) -> None:

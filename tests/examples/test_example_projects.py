@@ -27,10 +27,14 @@ from lightning_bnp import BatchNormPreconditioning
 from tests.helpers import ACCELERATOR
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECTS = ("fc_mnist", "cnn_cifar", "resnet_gn", "online", "weight_conditioning")
+PROJECTS = ("fc_mnist", "cnn_cifar", "resnet_gn", "resnet_imagenet", "online", "weight_conditioning")
 CONFIGS = sorted(ROOT.glob("example_projects/*/configs/*.yaml"))
-# fast_dev_run only: ResNet configs run at depth 8 (their own depth, 20 or 110, is checked by the print test)
-FAST_OVERRIDES = {"resnet_gn": ["--model.depth=8"]}
+# fast_dev_run only: CIFAR ResNet configs run at depth 8 (their own depth, 20 or 110, is checked by the print test),
+# ResNet-18 at batch 8 without loader processes (its batch 256 and 8 workers are for ImageNet on a GPU)
+FAST_OVERRIDES = {
+    "resnet_gn": ["--model.depth=8", "--data.batch_size=16"],
+    "resnet_imagenet": ["--data.batch_size=8", "--data.eval_batch_size=8", "--data.num_workers=0"],
+}
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 
 
@@ -58,6 +62,7 @@ def _fast_dev_run(project: str, tmp_path: Path, *args: str) -> ProjectCLI:
             f"--trainer.accelerator={ACCELERATOR}",
             f"--trainer.default_root_dir={tmp_path}",
             "--data.dataset=mnist5k",
+            "--data.eval_batch_size=50",  # fast_dev_run's one validation batch: 50 images, not 500
             *QUIET,
         ]
     )

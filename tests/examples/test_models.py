@@ -16,9 +16,10 @@ from typing_extensions import override
 from example_projects import fc_digits
 from example_projects.classifier import Classifier
 from example_projects.data import ImageDataModule
-from example_projects.models import BasicBlock, cifar_resnet, cnn5
+from example_projects.models import BasicBlock, PreActBlock, cifar_resnet, cnn5, resnet18
 from example_projects.online import OnlineClassifier
 from example_projects.resnet_gn import ResNetClassifier
+from example_projects.resnet_imagenet import ResNet18Classifier
 from example_projects.weight_conditioning import WCClassifier
 
 
@@ -64,6 +65,40 @@ def test_resnet_norms_and_biases() -> None:
     assert any(isinstance(m, nn.BatchNorm2d) for m in cifar_resnet(8, norm="bn").modules())
 
 
+def test_preact_resnet_is_he_2016b() -> None:
+    """Pre-activation blocks norm-ReLU-conv ×2 plus the shortcut (no ReLU after the sum), a bare conv stem and a
+    final norm-ReLU: ResNet-110 keeps 110 weight layers and 54 blocks."""
+    net = cifar_resnet(110, in_channels=3, num_classes=100, norm="bn", preact=True)
+    assert sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in net.modules()) == 110
+    assert sum(isinstance(m, PreActBlock) for m in net.modules()) == 54
+    assert isinstance(net[0], nn.Conv2d) and isinstance(net[1], PreActBlock)
+    assert [type(m) for m in net[-5:-3]] == [nn.BatchNorm2d, nn.ReLU]
+    assert net(torch.randn(2, 3, 32, 32)).shape == (2, 100)
+    block = cifar_resnet(8, norm="none", preact=True)[2]  # 16 → 32 channels, stride 2
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 8, 8)
+    shortcut = nn.functional.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, 0, 16))
+    expected = block.conv2(torch.relu(block.conv1(torch.relu(x)))) + shortcut
+    torch.testing.assert_close(block(x), expected)
+    assert (block(x) < 0).any()  # no ReLU after the sum
+
+
+def test_resnet18_is_torchvisions_with_bn_or_gn() -> None:
+    gn = resnet18(1, 10, norm="gn", groups=32)
+    assert {m.num_groups for m in gn.modules() if isinstance(m, nn.GroupNorm)} == {32}
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in gn.modules())
+    assert sum(isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3) for m in gn.modules()) == 16  # 8 blocks
+    assert gn(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    assert ResNet18Classifier(norm="bn", input_shape=(3, 32, 32), num_classes=5)(torch.randn(2, 3, 32, 32)).shape == (
+        2,
+        5,
+    )
+    with pytest.raises(ValueError, match="`norm` must be 'bn' or 'gn' for ResNet-18, got 'none'"):
+        resnet18(norm="none")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`groups` must divide every stage width"):
+        resnet18(norm="gn", groups=48)
+
+
 def test_resnet_he_normal_init_is_scaled() -> None:
     torch.manual_seed(0)
     net = cifar_resnet(110, norm="gn", init_scale=0.1)
@@ -93,6 +128,7 @@ def test_resnet_invalid_arguments(kwargs: dict[str, Any], match: str) -> None:
         ({"warmup_start_lr": 0.5}, r"`warmup_start_lr` must be in \(0, lr=0.1\], got 0.5"),
         ({"warmup_steps": -1}, "`warmup_steps` must be >= 0, got -1"),
         ({"lr_decay": 0.0}, r"`lr_decay` must be in \(0, 1\], got 0.0"),
+        ({"warmup": "cosine"}, "`warmup` must be 'constant' or 'linear', got 'cosine'"),
     ],
 )
 def test_resnet_module_invalid_arguments(kwargs: dict[str, Any], match: str) -> None:
@@ -111,9 +147,11 @@ class _RecordLR(pl.Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def test_resnet_warmup_then_step_decay_under_lightning(tmp_path: Path) -> None:
-    """Linear warm-up 0.01 → 0.1 per step, then ÷10 at the epoch milestones (Appendix B), in a real fit."""
-    model = ResNetClassifier(depth=8, input_shape=(1, 8, 8), warmup_steps=4, milestones=(2,))
+@pytest.mark.parametrize("warmup", ["linear", "constant"])
+def test_resnet_warmup_then_step_decay_under_lightning(tmp_path: Path, warmup: str) -> None:
+    """Warm-up per step — linear 0.01 → 0.1 (Appendix B, GN/BNP+GN) or constant 0.01 (He et al.'s BN) — then
+    ÷10 at the epoch milestones, in a real fit."""
+    model = ResNetClassifier(depth=8, input_shape=(1, 8, 8), warmup=warmup, warmup_steps=4, milestones=(2,))  # type: ignore[arg-type]
     record = _RecordLR()
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
@@ -128,7 +166,7 @@ def test_resnet_warmup_then_step_decay_under_lightning(tmp_path: Path) -> None:
         callbacks=[record],
     )
     trainer.fit(model, datamodule=ImageDataModule(dataset="digits", batch_size=16))
-    warm = [0.01 + 0.09 * step / 4 for step in range(4)]
+    warm = [0.01 + 0.09 * step / 4 if warmup == "linear" else 0.01 for step in range(4)]
     expected = [*warm, 0.1, 0.1, 0.01, 0.01, 0.01]
     assert record.lrs == pytest.approx(expected)
 
