@@ -1,6 +1,7 @@
 """Condition numbers and landscape probes in the Trainer's logger (paper 000 §3.3, §5.1 Fig. 8; 003 §3.2; 002 §2).
 
-Every ``every_n_steps`` optimizer steps (steps 0, n, 2n, … counted from 0) this callback logs, after
+Every ``every_n_steps`` optimizer steps (steps 0, n, 2n, … counted from 0; by default n is the Trainer's
+``log_every_n_steps``, as for Lightning's ``LearningRateMonitor``) this callback logs, after
 the step (``on_train_batch_end``), with :mod:`lightning_bnp.core.metrics`:
 
 * ``bnp/kappa_D/<layer>`` — the paper's κ(D), D = diag(1, σ)⁻¹ of the raw input statistics of the P
@@ -61,8 +62,9 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         ∇^2_z L = P^T ∇^2_{\\hat w} L\\, P
 
     Args:
-        every_n_steps: log after optimizer steps 0, n, 2n, … (≥ 1). The default keeps the cost of the
-            default metrics under 5% of training time on the paper's FC network (docs/monitors.md).
+        every_n_steps: log after optimizer steps 0, n, 2n, … (≥ 1); ``None`` (default): the Trainer's
+            ``log_every_n_steps`` (50 by default), like Lightning's ``LearningRateMonitor``; with
+            ``Trainer(log_every_n_steps=0)`` nothing is recorded then.
         layers: glob patterns of Linear/ConvNd module names for the per-layer metrics (all when ``None``).
         kappa_d: log κ(D) (the paper's, from the raw statistics) and κ(D̃) (floored) of each BNP layer.
         hessian_block: log the Hessian-block κ of one neuron per selected layer.
@@ -97,7 +99,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
     def __init__(
         self,
         *,
-        every_n_steps: int = 500,
+        every_n_steps: Optional[int] = None,
         layers: Union[list[str], str, None] = None,
         kappa_d: bool = True,
         hessian_block: bool = True,
@@ -115,8 +117,9 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         landscape_steps: Optional[list[float]] = None,
         landscape_direction: Literal["gradient", "preconditioned"] = "gradient",
     ) -> None:
+        if every_n_steps is not None:
+            check_int("every_n_steps", every_n_steps, low=1)
         for name, value, low in (
-            ("every_n_steps", every_n_steps, 1),
             ("neuron", neuron, 0),
             ("max_hessian_size", max_hessian_size, 1),
             ("max_weight_kappa_size", max_weight_kappa_size, 1),
@@ -155,6 +158,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         self._captured: list[probes.Captured] = []
         self._probe_batch: list[probes.Captured] | None = None
         self._step_at_start = -1
+        self._interval = every_n_steps or 0  # resolved at setup: the Trainer's cadence when None; 0 = never
         self._float64_failed = False
         self._warned: set[str] = set()
 
@@ -172,6 +176,12 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
                         f"candidates are {sorted(candidates)}"
                     )
         self._layers = {n: m for n, m in candidates.items() if _matches(n, self.layers)}
+        self._interval = self.every_n_steps if self.every_n_steps is not None else trainer.log_every_n_steps
+        if not self._interval:
+            rank_zero_warn(
+                "ConditionNumberMonitor: `Trainer(log_every_n_steps=0)` turns logging off and `every_n_steps` is "
+                "None, so nothing will be recorded; pass `every_n_steps` to record anyway."
+            )
         bnps = [cb for cb in trainer.callbacks if isinstance(cb, BatchNormPreconditioning)]  # type: ignore[attr-defined]
         self._bnp = bnps[0] if bnps else None
         self._probe_batch = None
@@ -229,6 +239,10 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             layout["bnp/landscape"] = {k: [chart("bnp", "landscape", k, variants=False)] for k in keys}
         return {category: charts for category, charts in layout.items() if charts}
 
+    def _records(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (counted from 0) is a record step: 0, n, 2n, …"""
+        return self._interval > 0 and step % self._interval == 0
+
     def _pre(self) -> BNPPreconditioner | None:
         return self._bnp.preconditioner if self._bnp is not None else None
 
@@ -245,7 +259,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         if step != self._step_at_start:
             self._captured.clear()
         self._step_at_start = step
-        if step % self.every_n_steps == 0 and self._needs_batch(pl_module):
+        if self._records(step) and self._needs_batch(pl_module):
             cuda = torch.cuda.get_rng_state(pl_module.device) if pl_module.device.type == "cuda" else None
             self._captured.append(probes.Captured(batch, batch_idx, torch.get_rng_state(), cuda))
 
@@ -254,7 +268,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = self._step_at_start
-        if trainer.global_step == step or step % self.every_n_steps != 0:
+        if trainer.global_step == step or not self._records(step):
             return  # no optimizer step in this batch (accumulation), or not a logging step
         if trainer.loggers:
             metrics = self.measure(trainer, pl_module)

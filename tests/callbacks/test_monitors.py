@@ -577,3 +577,24 @@ def test_step_time_excludes_the_condition_monitors_probes(tmp_path: Path, monkey
     step_ms = [v for _, v in logged["timing/step_ms"]]
     assert all(v >= 300 for v in probe_ms), probe_ms
     assert all(v < 150 for v in step_ms), step_ms  # a step of this 6-8-3 network takes a few ms
+
+
+@pytest.mark.parametrize(("log_every_n_steps", "every_n_steps", "expected"), [(3, None, [0, 3, 6]), (3, 2, [0, 2, 4, 6]),
+                                                                             (0, 4, [0, 4])])  # fmt: skip
+def test_default_cadence_is_the_trainers_log_every_n_steps(
+    tmp_path: Path, log_every_n_steps: int, every_n_steps: int | None, expected: list[int]
+) -> None:
+    """Issue 17 item 5: like Lightning's LearningRateMonitor, `every_n_steps=None` follows the Trainer."""
+    monitor = ConditionNumberMonitor(every_n_steps=every_n_steps)
+    trainer = _fit(tmp_path, BoringClassifier(bn_net()), make_data(n=112), batch_size=16, max_steps=7,
+                   callbacks=[BatchNormPreconditioning(), monitor], logger=TensorBoardLogger(tmp_path),
+                   log_every_n_steps=log_every_n_steps)  # fmt: skip
+    assert [step for step, _ in scalars(trainer)["bnp/weight_kappa/network.0/raw"]] == expected
+
+
+def test_log_every_n_steps_zero_records_nothing_by_default(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match=r"`Trainer\(log_every_n_steps=0\)` turns logging off"):
+        trainer = _fit(tmp_path, BoringClassifier(bn_net()), make_data(), batch_size=16, max_steps=2,
+                       callbacks=[BatchNormPreconditioning(), ConditionNumberMonitor()],
+                       logger=TensorBoardLogger(tmp_path), log_every_n_steps=0)  # fmt: skip
+    assert not [tag for tag in scalars(trainer) if tag.startswith("bnp/")]
