@@ -115,6 +115,22 @@ class StepLoss:
         assert total is not None
         return total
 
+    def outputs(self, replaced: dict[str, Tensor]) -> Tensor:
+        """The loss followed by every floating tensor the LightningModule's ``forward`` returned during it,
+        flattened (float64, detached): what the scale-invariance check compares (:func:`M.scale_invariant_units`)."""
+        seen: list[Tensor] = []
+
+        def keep(t: Tensor) -> None:
+            if t.is_floating_point():
+                seen.append(t.detach().double().reshape(-1))
+
+        handle = self.wrapper.module.register_forward_hook(lambda m, a, out: apply_to_collection(out, Tensor, keep))
+        try:
+            loss = self(replaced)
+        finally:
+            handle.remove()
+        return torch.cat([loss.detach().double().reshape(1), *seen])
+
 
 @contextmanager
 def preserved_rng(device: torch.device) -> Iterator[None]:

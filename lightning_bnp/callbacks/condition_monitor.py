@@ -13,7 +13,9 @@ the step (``on_train_batch_end``), with :mod:`lightning_bnp.core.metrics`:
   neuron's ŵ = [b_i; w_i] (Prop. 2), and Pᵀ∇²L P with BNP's P (Theorem 3) from the σ̃, μ of BNP's
   latest step;
 * ``bnp/weight_kappa/<layer>/raw`` (and ``/conditioned`` for parametrized, e.g. Weight-Conditioned, layers);
-* ``bnp/effective_lr/<layer>`` — η/‖w‖² of scale-invariant weights (paper 002);
+* ``bnp/effective_lr/<layer>`` — η/‖w‖² of scale-invariant weights (paper 002), found by scaling each
+  layer's units on the first record's batch; ``bnp/weight_norm_sq/<layer>`` (‖w‖², which SGD only grows) and
+  ``bnp/weight_grad_cosine/<layer>`` (cos∠(w, ∇w), 0 for scale-invariant w: Lemma 2.4);
 * optionally ``bnp/lanczos/lambda_min|lambda_max`` (whole model, fixed probe batch) and
   ``bnp/landscape/loss_range|grad_change|beta_smoothness`` (paper 003, App. A.2.2).
 
@@ -29,9 +31,10 @@ Helpers live in :mod:`._probes`; tags and the TensorBoard layout in :mod:`._logg
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from fnmatch import fnmatchcase
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, TypeVar, Union
 
 import lightning.pytorch as pl
 import torch
@@ -50,6 +53,8 @@ from lightning_bnp.core.preconditioner import BNPPreconditioner
 from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_int, check_patterns
 
 __all__ = ["ConditionNumberMonitor"]
+
+_T = TypeVar("_T")
 
 
 class ConditionNumberMonitor(ArgumentsRepr, Callback):
@@ -80,7 +85,8 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         max_weight_kappa_size: skip the weight κ of layers whose (out, in·k) view has more than this many
             singular values (min(out, in·k)), with a one-time warning per layer: a float64 SVD of a
             1000×2048 head costs ~0.6 s per record on one CPU core, 2000×2000 ~2 s.
-        effective_lr: log η/‖w‖² for scale-invariant layers (see ``metrics.scale_invariant_layers``).
+        effective_lr: find the scale-invariant layers numerically on the first record's batch
+            (``metrics.scale_invariant_units``) and log their η/‖w‖² (SGD only), ‖w‖² and cos∠(w, ∇w) (paper 002).
         lanczos: log the extreme Hessian eigenvalues of all trainable parameters on a fixed probe batch.
         lanczos_iters: Lanczos steps (one Hessian-vector product each).
         landscape: log paper 003's loss range, gradient change and effective β-smoothness.
@@ -154,7 +160,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         self._bnp: BatchNormPreconditioning | None = None
         self._layers: dict[str, nn.Module] = {}
         self._hessian_names: list[str] = []
-        self._scale_invariant: dict[str, int] = {}
+        self._scale_invariant: dict[str, int] | None = None  # {layer: units}; None: not checked yet
         self._captured: list[probes.Captured] = []
         self._probe_batch: list[probes.Captured] | None = None
         self._step_at_start = -1
@@ -176,7 +182,9 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
                         f"candidates are {sorted(candidates)}"
                     )
         self._layers = {n: m for n, m in candidates.items() if _matches(n, self.layers)}
-        self._interval = self.every_n_steps if self.every_n_steps is not None else trainer.log_every_n_steps
+        # set by Lightning's logger connector at Trainer init (not a declared attribute, hence the ignore)
+        cadence: int = trainer.log_every_n_steps  # type: ignore[attr-defined]
+        self._interval = self.every_n_steps if self.every_n_steps is not None else cadence
         if not self._interval:
             rank_zero_warn(
                 "ConditionNumberMonitor: `Trainer(log_every_n_steps=0)` turns logging off and `every_n_steps` is "
@@ -199,22 +207,14 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             self._hessian_names = base[-1:]
         else:
             self._hessian_names = [n for n in base if _matches(n, self.hessian_layers)]
-        self._scale_invariant = (
-            {n: u for n, u in M.scale_invariant_layers(pl_module).items() if n in self._layers}
-            if self.effective_lr
-            else {}
-        )
-        sgd = probes.learning_rates(trainer, sgd_only=True)
-        if any(id(probes.trainable_weight(self._layers[n])) not in sgd for n in self._scale_invariant):
-            rank_zero_info(
-                "ConditionNumberMonitor: η/‖w‖² is the effective learning rate of (S)GD (paper 002); it is not "
-                "logged for scale-invariant layers that a non-SGD optimizer (e.g. Adam) trains."
-            )
-        needs_loss = (self.hessian_block and self._hessian_names) or self.lanczos or self.landscape
+        self._scale_invariant = None  # found numerically on the first record's batch (measure)
+        needs_loss = (self.hessian_block and self._hessian_names) or self.lanczos or self.landscape or self.effective_lr
         if needs_loss and not pl_module.automatic_optimization:
+            self._scale_invariant = {}
             rank_zero_warn(
-                "ConditionNumberMonitor: Hessian, Lanczos and landscape probes re-run `training_step`, which "
-                "manual optimization does not allow; only κ(D), weight κ and effective learning rates are logged."
+                "ConditionNumberMonitor: the Hessian, Lanczos and landscape probes and the scale-invariance check of "
+                "the effective learning rate re-run `training_step`, which manual optimization does not allow; "
+                "only κ(D) and weight κ are logged."
             )
         declare_layout(trainer, self._layout(pre))
 
@@ -230,8 +230,12 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             layout["bnp/hessian_rank"] = {"rank, all layers": [chart("bnp", "hessian_rank")]}
         if self.weight_kappa:
             layout["bnp/weight_kappa"] = {n: [chart("bnp", "weight_kappa", n)] for n in self._layers}
-        if self._scale_invariant:
-            layout["bnp/effective_lr"] = {"η/‖w‖², all layers": [chart("bnp", "effective_lr")]}
+        if self.effective_lr:  # the layers are found at the first record; each chart shows all of them
+            layout["bnp/effective_lr"] = {
+                "η/‖w‖², all layers": [chart("bnp", "effective_lr")],
+                "‖w‖², all layers": [chart("bnp", "weight_norm_sq")],
+                "cos∠(w, ∇w), all layers": [chart("bnp", "weight_grad_cosine")],
+            }
         if self.lanczos:
             layout["bnp/lanczos"] = {"λ_min, λ_max": [chart("bnp", "lanczos")]}
         if self.landscape:
@@ -247,8 +251,9 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         return self._bnp.preconditioner if self._bnp is not None else None
 
     def _needs_batch(self, pl_module: pl.LightningModule) -> bool:
+        scale_invariance = self.effective_lr and (self._scale_invariant is None or bool(self._scale_invariant))
         wanted = (self.hessian_block and bool(self._hessian_names)) or self.lanczos or self.landscape
-        return wanted and pl_module.automatic_optimization
+        return (wanted or scale_invariance) and pl_module.automatic_optimization
 
     # ------------------------------------------------------------- the batch
     @override
@@ -308,15 +313,6 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
                     metrics[f"bnp/weight_kappa/{name}/raw"] = M.matrix_kappa(weight)
                     if parametrize.is_parametrized(module, "weight"):
                         metrics[f"bnp/weight_kappa/{name}/conditioned"] = M.matrix_kappa(module.weight)  # type: ignore[arg-type]
-            lrs = probes.learning_rates(trainer, sgd_only=True)  # η/‖w‖² is (S)GD's effective rate (paper 002)
-            for name, units in self._scale_invariant.items():
-                module = self._layers[name]
-                weight = probes.trainable_weight(module)
-                if id(weight) in lrs:
-                    bias = module.bias if isinstance(module.bias, Tensor) else None
-                    metrics[f"bnp/effective_lr/{name}"] = M.effective_learning_rate(
-                        weight, bias, lrs[id(weight)], units
-                    )
         if not self._captured:
             return self._finite(metrics)
         if self._probe_batch is None and self.lanczos:  # the fixed probe batch: the first one measured
@@ -326,6 +322,8 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             stack.enter_context(pre.paused() if pre is not None else nullcontext())
             stack.enter_context(probes.silenced_logging(pl_module))
             try:
+                if self.effective_lr:
+                    metrics.update(self._scale_invariance_metrics(trainer, pl_module))
                 if self.hessian_block and self._hessian_names:
                     metrics.update(self._hessian_metrics(trainer, pl_module, pre))
                 if self.landscape:
@@ -344,47 +342,118 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
                 self._warn_once(f"finite:{tag}", f"{tag} = {value} cannot be computed at this step; not logged.")
         return {tag: value for tag, value in metrics.items() if math.isfinite(value)}
 
+    def _in_float64(self, compute: Callable[[torch.dtype | None], _T]) -> _T:
+        """``compute(torch.float64)`` (``hessian_precision="float64"``), or ``compute(None)`` (the model's dtype
+        and autocast) when that is asked for or once the float64 re-evaluation has failed."""
+        if self.hessian_precision == "float64" and not self._float64_failed:
+            try:
+                return compute(torch.float64)
+            except RuntimeError as err:  # e.g. `training_step` builds float32 tensors: use the model's dtype
+                self._float64_failed = True
+                rank_zero_warn(
+                    f"ConditionNumberMonitor: float64 re-evaluation failed ({err}); using the model's dtype."
+                )
+        return compute(None)
+
+    def _scale_invariance_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+        """Paper 002: η/‖w‖² (SGD only), ‖w‖² and cos∠(w, ∇w) of the scale-invariant layers, which are found
+        numerically on the first record's batch (:func:`M.scale_invariant_units`)."""
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+
+        def keys(module: nn.Module) -> tuple[str, str | None]:
+            bias = module.bias if isinstance(module.bias, Tensor) and module.bias.requires_grad else None
+            return names[id(probes.trainable_weight(module))], names[id(bias)] if bias is not None else None
+
+        candidates = {n: keys(m) for n, m in self._layers.items() if probes.trainable_weight(m).requires_grad}
+        if self._scale_invariant is None:
+
+            def find(dtype: torch.dtype | None) -> dict[str, int]:
+                loss = probes.StepLoss(trainer, pl_module, self._captured, dtype)
+                layers = {
+                    n: (kw, loss.params[kw], kb, loss.params[kb] if kb is not None else None)
+                    for n, (kw, kb) in candidates.items()
+                }
+                return M.scale_invariant_units(loss.outputs, layers, agree=lambda ok: _everywhere(trainer, ok))
+
+            self._scale_invariant = self._in_float64(find)
+            rank_zero_info(
+                f"ConditionNumberMonitor: scale-invariant layers (paper 002), checked on step "
+                f"{trainer.global_step - 1}'s batch: {sorted(self._scale_invariant) or 'none'}"
+            )
+        if not self._scale_invariant:
+            return {}
+
+        def gradients(dtype: torch.dtype | None) -> dict[str, Tensor]:
+            loss = probes.StepLoss(trainer, pl_module, self._captured, dtype)
+            wanted = {k for n in self._scale_invariant or () for k in candidates[n] if k is not None}
+            return M.loss_and_grad(loss, {k: loss.params[k] for k in wanted})[1]
+
+        grads = self._in_float64(gradients)
+        lrs = probes.learning_rates(trainer, sgd_only=True)  # η/‖w‖² is (S)GD's effective rate (paper 002)
+        metrics: dict[str, float] = {}
+        for name, units in self._scale_invariant.items():
+            module, (key_w, key_b) = self._layers[name], candidates[name]
+            weight = probes.trainable_weight(module)
+            bias = module.bias if key_b is not None and isinstance(module.bias, Tensor) else None
+            norm_sq, cosine = M.weight_norm_and_grad_cosine(
+                weight,
+                bias,
+                grads[key_w],
+                grads[key_b] if key_b is not None else None,
+            )
+            metrics[f"bnp/weight_norm_sq/{name}"] = norm_sq
+            metrics[f"bnp/weight_grad_cosine/{name}"] = cosine
+            if id(weight) in lrs:
+                metrics[f"bnp/effective_lr/{name}"] = M.effective_learning_rate(weight, bias, lrs[id(weight)], units)
+            elif "effective_lr_sgd" not in self._warned:
+                self._warned.add("effective_lr_sgd")
+                rank_zero_info(
+                    "ConditionNumberMonitor: η/‖w‖² is the effective learning rate of (S)GD (paper 002); it is not "
+                    "logged for scale-invariant layers that a non-SGD optimizer (e.g. Adam) trains (their ‖w‖² and "
+                    "cos∠(w, ∇w) are)."
+                )
+        return metrics
+
     def _hessian_metrics(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, pre: BNPPreconditioner | None
     ) -> dict[str, float]:
-        float64 = self.hessian_precision == "float64" and not self._float64_failed
-        try:
-            loss = probes.StepLoss(trainer, pl_module, self._captured, torch.float64 if float64 else None)
-            names = {id(p): n for n, p in pl_module.named_parameters()}
-            blocks, used = [], []
-            for name in self._hessian_names:
-                module = self._layers[name]
-                out, fan_in = int(module.weight.shape[0]), int(module.weight[0].numel())  # type: ignore[index]
-                bias = module.bias if isinstance(module.bias, Tensor) and module.bias.requires_grad else None
-                if fan_in + (bias is not None) > self.max_hessian_size:
-                    self._warn_once(
-                        f"size:{name}",
-                        f"layer {name!r}: Hessian block skipped, its neuron has {fan_in + (bias is not None)} "
-                        f"parameters > `max_hessian_size`={self.max_hessian_size}",
-                    )
-                    continue
-                if self.neuron >= out:
-                    self._warn_once(f"neuron:{name}", f"`neuron`={self.neuron} >= {out} outputs of {name!r}: modulo")
-                key_w = names[id(probes.trainable_weight(module))]
-                key_b = names[id(bias)] if bias is not None else None
-                b = loss.params[key_b] if key_b is not None else None
-                blocks.append(M.NeuronBlock(key_w, loss.params[key_w], key_b, b, self.neuron % out))
-                used.append(name)
-            hessians = M.neuron_hessians(loss, blocks)
-        except RuntimeError as err:
-            if not float64:
-                raise
-            self._float64_failed = True  # e.g. `training_step` builds float32 tensors: use the model's dtype
-            rank_zero_warn(f"ConditionNumberMonitor: float64 re-evaluation failed ({err}); using the model's dtype.")
-            return self._hessian_metrics(trainer, pl_module, pre)
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        blocks, used = [], []
+        for name in self._hessian_names:
+            module = self._layers[name]
+            out, fan_in = int(module.weight.shape[0]), int(module.weight[0].numel())  # type: ignore[index]
+            bias = module.bias if isinstance(module.bias, Tensor) and module.bias.requires_grad else None
+            if fan_in + (bias is not None) > self.max_hessian_size:
+                self._warn_once(
+                    f"size:{name}",
+                    f"layer {name!r}: Hessian block skipped, its neuron has {fan_in + (bias is not None)} "
+                    f"parameters > `max_hessian_size`={self.max_hessian_size}",
+                )
+                continue
+            if self.neuron >= out:
+                self._warn_once(f"neuron:{name}", f"`neuron`={self.neuron} >= {out} outputs of {name!r}: modulo")
+            key_b = names[id(bias)] if bias is not None else None
+            blocks.append((names[id(probes.trainable_weight(module))], key_b, self.neuron % out))
+            used.append(name)
+
+        def hessians(dtype: torch.dtype | None) -> list[Tensor]:
+            loss = probes.StepLoss(trainer, pl_module, self._captured, dtype)
+            return M.neuron_hessians(
+                loss,
+                [
+                    M.NeuronBlock(kw, loss.params[kw], kb, loss.params[kb] if kb is not None else None, i)
+                    for kw, kb, i in blocks
+                ],
+            )
+
         metrics: dict[str, float] = {}
-        for name, block, h in zip(used, blocks, hessians):
+        for name, (_, key_b, index), h in zip(used, blocks, self._in_float64(hessians)):
             original = M.spectrum(h, self.hessian_rtol)
             metrics[f"bnp/hessian_kappa/{name}/original"] = original.kappa
             metrics[f"bnp/hessian_min_ratio/{name}/original"] = probes.min_ratio(original)
             metrics[f"bnp/hessian_rank/{name}"] = float(original.rank)
             if pre is not None and name in pre.layers:
-                p = probes.neuron_p(pre, pre.layers[name], block.index, centred=block.bias is not None).to(h.device)
+                p = probes.neuron_p(pre, pre.layers[name], index, centred=key_b is not None).to(h.device)
                 conditioned = M.spectrum(
                     p.T @ h.double() @ p, self.hessian_rtol or h.shape[0] * torch.finfo(h.dtype).eps
                 )
@@ -441,6 +510,14 @@ def _step_multiples(value: Any) -> list[float]:
         return [check_float("landscape_steps", k, low=0.0, low_open=True) for k in value]
     except (TypeError, ValueError) as err:
         raise type(err)(message) from None
+
+
+def _everywhere(trainer: pl.Trainer, ok: bool) -> bool:
+    """``ok`` on every process (one all-reduce under DDP), so that every rank takes the same branch."""
+    if trainer.world_size == 1:
+        return ok
+    failed = trainer.strategy.reduce(torch.tensor(float(not ok), device=trainer.strategy.root_device), reduce_op="sum")
+    return float(failed) == 0.0
 
 
 def _matches(name: str, patterns: list[str] | None) -> bool:

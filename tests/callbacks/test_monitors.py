@@ -82,7 +82,6 @@ def test_tags_are_logged_grouped_by_kind_and_layer_and_finite(tmp_path: Path) ->
         "bnp/weight_kappa/network.0/raw",
         "bnp/weight_kappa/network.0/conditioned",
         "bnp/weight_kappa/network.4/raw",
-        "bnp/effective_lr/network.0",  # Linear → ReLU → BatchNorm1d
         "bnp/hessian_kappa/network.4/original",  # default: the last BNP layer (the paper's Fig. 8)
         "bnp/hessian_kappa/network.4/preconditioned",
         "bnp/hessian_min_ratio/network.4/original",
@@ -97,6 +96,8 @@ def test_tags_are_logged_grouped_by_kind_and_layer_and_finite(tmp_path: Path) ->
     }
     assert expected <= set(logged), expected - set(logged)
     assert "bnp/effective_lr/network.4" not in logged and "bnp/weight_kappa/network.4/conditioned" not in logged
+    # Linear → ReLU → BatchNorm1d, but ColumnNorm(c·W) = ColumnNorm(W) while b scales: (W, b) is not scale-invariant
+    assert not [tag for tag in logged if tag.startswith(("bnp/effective_lr", "bnp/weight_norm_sq"))]
     for tag in expected:
         assert [step for step, _ in logged[tag]] == [0, 2], tag
         assert all(math.isfinite(v) for _, v in logged[tag]), tag
@@ -579,8 +580,9 @@ def test_step_time_excludes_the_condition_monitors_probes(tmp_path: Path, monkey
     assert all(v < 150 for v in step_ms), step_ms  # a step of this 6-8-3 network takes a few ms
 
 
-@pytest.mark.parametrize(("log_every_n_steps", "every_n_steps", "expected"), [(3, None, [0, 3, 6]), (3, 2, [0, 2, 4, 6]),
-                                                                             (0, 4, [0, 4])])  # fmt: skip
+@pytest.mark.parametrize(
+    ("log_every_n_steps", "every_n_steps", "expected"), [(3, None, [0, 3, 6]), (3, 2, [0, 2, 4, 6]), (0, 4, [0, 4])]
+)
 def test_default_cadence_is_the_trainers_log_every_n_steps(
     tmp_path: Path, log_every_n_steps: int, every_n_steps: int | None, expected: list[int]
 ) -> None:
@@ -598,3 +600,30 @@ def test_log_every_n_steps_zero_records_nothing_by_default(tmp_path: Path) -> No
                        callbacks=[BatchNormPreconditioning(), ConditionNumberMonitor()],
                        logger=TensorBoardLogger(tmp_path), log_every_n_steps=0)  # fmt: skip
     assert not [tag for tag in scalars(trainer) if tag.startswith("bnp/")]
+
+
+def test_effective_lr_is_logged_for_every_conv_of_a_resnet20_with_bn(tmp_path: Path) -> None:
+    """Issue 18 §2: the Sequential-only rule found 1 of the 19 convs of this ResNet-20 (its stem; the other 18 sit
+    in BasicBlock.forward), all followed by BatchNorm2d. The numerical check finds all 19, per output channel,
+    and not the head. Values against independent formulas at the parameters after step 0."""
+    from example_projects.models import cifar_resnet
+
+    torch.manual_seed(0)
+    model = BoringClassifier(cifar_resnet(depth=20, in_channels=3, num_classes=3, norm="bn"), lr=0.05)
+    convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    assert len(convs) == 19 and all(m.bias is None for m in convs.values())
+    monitor = ConditionNumberMonitor(every_n_steps=1, kappa_d=False, hessian_block=False, weight_kappa=False)
+    trainer = _fit(tmp_path, model, make_data(n=16, shape=(3, 8, 8)), batch_size=8, callbacks=[monitor], max_steps=2,
+                   logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    for kind in ("effective_lr", "weight_norm_sq", "weight_grad_cosine"):
+        assert {t for t in logged if t.startswith(f"bnp/{kind}/")} == {f"bnp/{kind}/{n}" for n in convs}, kind
+    assert monitor._scale_invariant == {n: m.out_channels for n, m in convs.items()}
+    for name, conv in convs.items():
+        w = conv.weight.detach().double()
+        rows = w.reshape(w.shape[0], -1).square().sum(1)
+        assert logged[f"bnp/effective_lr/{name}"][-1][1] == pytest.approx(0.05 / float(rows.mean()), rel=1e-5)
+        assert logged[f"bnp/weight_norm_sq/{name}"][-1][1] == pytest.approx(float(rows.sum()), rel=1e-5)
+        assert all(abs(v) < 1e-3 for _, v in logged[f"bnp/weight_grad_cosine/{name}"]), name  # ⟨w, ∇w⟩ ≈ 0
+    # SGD without weight decay: ‖w‖² grows (paper 002, Lemma 2.4: ‖w_{t+1}‖² = ‖w_t‖² + η²‖∇w‖²)
+    assert all(logged[f"bnp/weight_norm_sq/{n}"][1][1] > logged[f"bnp/weight_norm_sq/{n}"][0][1] for n in convs)
