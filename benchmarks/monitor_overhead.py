@@ -142,7 +142,8 @@ def main() -> None:
         f"`example_projects.fc_digits` settings, {epochs} epochs = {steps} steps at batch {BATCH} plus validation "
         f"each epoch; ConditionNumberMonitor records {records} times per fit (default `every_n_steps`: the Trainer's "
         f"`log_every_n_steps` = {every}), "
-        f"TimingMonitor every {TimingMonitor().every_n_steps or every} steps. Medians over interleaved fits; CPU = process "
+        f"TimingMonitor every {TimingMonitor().every_n_steps or every} steps. Medians over interleaved fits; "
+        "CPU = process "
         "time (robust to other load on the machine). *fit* = the whole `trainer.fit`; *steps* = the training "
         "loop without its validation.\n",
         "| arm | fit wall s | fit CPU s | steps wall ms/step | steps CPU ms/step | "

@@ -45,7 +45,15 @@ from torch.nn.utils import parametrize
 from typing_extensions import override
 
 from lightning_bnp.callbacks import _probes as probes
-from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
+from lightning_bnp.callbacks._logging import (
+    chart,
+    declare_layout,
+    has_tensorboard,
+    heatmap_image,
+    layer_charts,
+    log_metrics,
+    log_tensorboard,
+)
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core import metrics as M
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
@@ -93,6 +101,12 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         landscape_steps: step multiples k; the probe visits θ − k·η·d (default [0.5, 1, 2, 3, 4], the
             paper's [1/2, 4] range for VGG).
         landscape_direction: d = ∇L (``"gradient"``, paper 003) or BNP's M·∇L (``"preconditioned"``).
+        histograms: TensorBoard only: histograms of σ̃ and μ of each BNP layer's latest step
+            (``bnp/sigma_tilde/<layer>``, ``bnp/mu/<layer>``).
+        spectra: TensorBoard only: histograms of log10|λ| of the Hessian block's nonzero eigenvalues,
+            original and preconditioned (``bnp/hessian_spectrum/<layer>/original|preconditioned``).
+        heatmaps: TensorBoard only: layer × record-step images of log10 κ(D) and log10 weight κ
+            (``bnp/heatmap/kappa_D``, ``bnp/heatmap/weight_kappa``), kept across checkpoint resume.
 
     Raises:
         ValueError: an argument is out of range; (at setup) a pattern matches no Linear/ConvNd layer.
@@ -122,6 +136,9 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         landscape: bool = False,
         landscape_steps: Optional[list[float]] = None,
         landscape_direction: Literal["gradient", "preconditioned"] = "gradient",
+        histograms: bool = True,
+        spectra: bool = True,
+        heatmaps: bool = True,
     ) -> None:
         if every_n_steps is not None:
             check_int("every_n_steps", every_n_steps, low=1)
@@ -140,6 +157,9 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             ("effective_lr", effective_lr),
             ("lanczos", lanczos),
             ("landscape", landscape),
+            ("histograms", histograms),
+            ("spectra", spectra),
+            ("heatmaps", heatmaps),
         ):
             check_bool(name, flag)
         check_choice("hessian_precision", hessian_precision, ("float64", "model"))
@@ -157,6 +177,11 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         self.max_weight_kappa_size = max_weight_kappa_size
         self.lanczos, self.lanczos_iters = lanczos, lanczos_iters
         self.landscape, self.landscape_steps, self.landscape_direction = landscape, steps, landscape_direction
+        self.histograms, self.spectra, self.heatmaps = histograms, spectra, heatmaps
+        self._spectra: dict[str, Tensor] = {}  # log10|λ| of the latest record's Hessian blocks
+        self._heat_steps: list[int] = []  # the heatmaps' columns: record steps (thinned beyond _HEAT_KEEP)
+        self._heat: dict[str, dict[str, list[float]]] = {}  # kind → layer → log10 value per column (NaN: none)
+        self._legend_written = False
         self._bnp: BatchNormPreconditioning | None = None
         self._layers: dict[str, nn.Module] = {}
         self._hessian_names: list[str] = []
@@ -165,7 +190,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         self._probe_batch: list[probes.Captured] | None = None
         self._step_at_start = -1
         self._interval = every_n_steps or 0  # resolved at setup: the Trainer's cadence when None; 0 = never
-        self._float64_failed = False
+        self._failed_dtypes: set[torch.dtype] = set()
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ setup
@@ -219,22 +244,25 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         declare_layout(trainer, self._layout(pre))
 
     def _layout(self, pre: BNPPreconditioner | None) -> dict[str, dict[str, list[str]]]:
-        """Custom Scalars charts: a category per kind, a chart per layer overlaying its variants."""
+        """Custom Scalars charts: a category per kind; in it a chart per layer overlaying its variants, or one
+        chart of all layers for one-value kinds, and at most ``MAX_CHARTS`` charts of consecutive layers for a
+        deep model (:func:`layer_charts`)."""
         layout: dict[str, dict[str, list[str]]] = {}
+        bnp_layers = [n for n in (pre.layers if pre is not None else ()) if n in self._layers]
         if self.kappa_d and pre is not None:
-            layout["bnp/kappa_D"] = {"κ(D), raw statistics, all BNP layers": [chart("bnp", "kappa_D")]}
-            layout["bnp/kappa_D_floored"] = {"κ(D̃), floored σ̃, all BNP layers": [chart("bnp", "kappa_D_floored")]}
+            layout["bnp/kappa_D"] = layer_charts("bnp", "kappa_D", bnp_layers, title="κ(D), raw statistics")
+            layout["bnp/kappa_D_floored"] = layer_charts("bnp", "kappa_D_floored", bnp_layers, title="κ(D̃), floored σ̃")
         if self.hessian_block:
             for kind in ("hessian_kappa", "hessian_min_ratio"):
-                layout[f"bnp/{kind}"] = {n: [chart("bnp", kind, n)] for n in self._hessian_names}
-            layout["bnp/hessian_rank"] = {"rank, all layers": [chart("bnp", "hessian_rank")]}
+                layout[f"bnp/{kind}"] = layer_charts("bnp", kind, self._hessian_names)
+            layout["bnp/hessian_rank"] = layer_charts("bnp", "hessian_rank", self._hessian_names, title="rank")
         if self.weight_kappa:
-            layout["bnp/weight_kappa"] = {n: [chart("bnp", "weight_kappa", n)] for n in self._layers}
-        if self.effective_lr:  # the layers are found at the first record; each chart shows all of them
+            layout["bnp/weight_kappa"] = layer_charts("bnp", "weight_kappa", list(self._layers))
+        if self.effective_lr:  # the layers are found at the first record: charts for every candidate
             layout["bnp/effective_lr"] = {
-                "η/‖w‖², all layers": [chart("bnp", "effective_lr")],
-                "‖w‖², all layers": [chart("bnp", "weight_norm_sq")],
-                "cos∠(w, ∇w), all layers": [chart("bnp", "weight_grad_cosine")],
+                **layer_charts("bnp", "effective_lr", list(self._layers), title="η/‖w‖²"),
+                **layer_charts("bnp", "weight_norm_sq", list(self._layers), title="‖w‖²"),
+                **layer_charts("bnp", "weight_grad_cosine", list(self._layers), title="cos∠(w, ∇w)"),
             }
         if self.lanczos:
             layout["bnp/lanczos"] = {"λ_min, λ_max": [chart("bnp", "lanczos")]}
@@ -276,8 +304,11 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         if trainer.global_step == step or not self._records(step):
             return  # no optimizer step in this batch (accumulation), or not a logging step
         if trainer.loggers:
+            self._spectra = {}
             metrics = self.measure(trainer, pl_module)
             log_metrics(trainer, metrics, step)
+            if has_tensorboard(trainer):
+                self._log_pictures(trainer, metrics, step)
         self._captured.clear()
 
     @override
@@ -342,22 +373,24 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
                 self._warn_once(f"finite:{tag}", f"{tag} = {value} cannot be computed at this step; not logged.")
         return {tag: value for tag, value in metrics.items() if math.isfinite(value)}
 
-    def _in_float64(self, compute: Callable[[torch.dtype | None], _T]) -> _T:
-        """``compute(torch.float64)`` (``hessian_precision="float64"``), or ``compute(None)`` (the model's dtype
-        and autocast) when that is asked for or once the float64 re-evaluation has failed."""
-        if self.hessian_precision == "float64" and not self._float64_failed:
+    def _in_dtype(self, dtype: torch.dtype | None, compute: Callable[[torch.dtype | None], _T]) -> _T:
+        """``compute(dtype)`` (parameters, buffers and batch cast to ``dtype``, autocast off), or ``compute(None)``
+        (the model's dtype and autocast) when ``dtype`` is ``None`` or a re-evaluation in it has failed."""
+        if dtype is not None and dtype not in self._failed_dtypes:
             try:
-                return compute(torch.float64)
+                return compute(dtype)
             except RuntimeError as err:  # e.g. `training_step` builds float32 tensors: use the model's dtype
-                self._float64_failed = True
+                self._failed_dtypes.add(dtype)
                 rank_zero_warn(
-                    f"ConditionNumberMonitor: float64 re-evaluation failed ({err}); using the model's dtype."
+                    f"ConditionNumberMonitor: {dtype} re-evaluation failed ({err}); using the model's dtype."
                 )
         return compute(None)
 
     def _scale_invariance_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Paper 002: η/‖w‖² (SGD only), ‖w‖² and cos∠(w, ∇w) of the scale-invariant layers, which are found
-        numerically on the first record's batch (:func:`M.scale_invariant_units`)."""
+        numerically on the first record's batch (:func:`M.scale_invariant_units`). Both re-evaluations run in
+        float32 without autocast: the check's tolerance (1e-3) and a cosine near 0 need no more, and float64
+        convolutions are ~20× slower on CPU."""
         names = {id(p): n for n, p in pl_module.named_parameters()}
 
         def keys(module: nn.Module) -> tuple[str, str | None]:
@@ -375,7 +408,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
                 }
                 return M.scale_invariant_units(loss.outputs, layers, agree=lambda ok: _everywhere(trainer, ok))
 
-            self._scale_invariant = self._in_float64(find)
+            self._scale_invariant = self._in_dtype(torch.float32, find)
             rank_zero_info(
                 f"ConditionNumberMonitor: scale-invariant layers (paper 002), checked on step "
                 f"{trainer.global_step - 1}'s batch: {sorted(self._scale_invariant) or 'none'}"
@@ -388,7 +421,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             wanted = {k for n in self._scale_invariant or () for k in candidates[n] if k is not None}
             return M.loss_and_grad(loss, {k: loss.params[k] for k in wanted})[1]
 
-        grads = self._in_float64(gradients)
+        grads = self._in_dtype(torch.float32, gradients)
         lrs = probes.learning_rates(trainer, sgd_only=True)  # η/‖w‖² is (S)GD's effective rate (paper 002)
         metrics: dict[str, float] = {}
         for name, units in self._scale_invariant.items():
@@ -447,8 +480,10 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             )
 
         metrics: dict[str, float] = {}
-        for name, (_, key_b, index), h in zip(used, blocks, self._in_float64(hessians)):
+        dtype = torch.float64 if self.hessian_precision == "float64" else None
+        for name, (_, key_b, index), h in zip(used, blocks, self._in_dtype(dtype, hessians)):
             original = M.spectrum(h, self.hessian_rtol)
+            self._keep_spectrum(f"bnp/hessian_spectrum/{name}/original", original)
             metrics[f"bnp/hessian_kappa/{name}/original"] = original.kappa
             metrics[f"bnp/hessian_min_ratio/{name}/original"] = probes.min_ratio(original)
             metrics[f"bnp/hessian_rank/{name}"] = float(original.rank)
@@ -457,9 +492,71 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
                 conditioned = M.spectrum(
                     p.T @ h.double() @ p, self.hessian_rtol or h.shape[0] * torch.finfo(h.dtype).eps
                 )
+                self._keep_spectrum(f"bnp/hessian_spectrum/{name}/preconditioned", conditioned)
                 metrics[f"bnp/hessian_kappa/{name}/preconditioned"] = conditioned.kappa
                 metrics[f"bnp/hessian_min_ratio/{name}/preconditioned"] = probes.min_ratio(conditioned)
         return metrics
+
+    def _keep_spectrum(self, tag: str, spectrum: M.Spectrum) -> None:
+        if self.spectra and spectrum.rank > 0:
+            self._spectra[tag] = spectrum.nonzero.log10()
+
+    # ------------------------------------------------------------ pictures
+    def _log_pictures(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+        """Histograms of σ̃, μ and of the Hessian spectra, and the κ heatmaps, to the TensorBoard loggers."""
+        histograms: dict[str, Tensor] = dict(self._spectra)
+        pre = self._pre()
+        if self.histograms and pre is not None:
+            for name, layer in pre.layers.items():
+                if name in self._layers and layer.transform is not None:  # as κ(D): layers BNP transformed
+                    histograms[f"bnp/sigma_tilde/{name}"] = layer.transform.var_t.sqrt()
+                    if layer.transform.mu is not None:
+                        histograms[f"bnp/mu/{name}"] = layer.transform.mu
+        for tag in [t for t, values in histograms.items() if not bool(values.isfinite().all())]:
+            self._warn_once(f"finite:{tag}", f"{tag} has non-finite values at this step; histogram not logged.")
+            del histograms[tag]
+        images: dict[str, Tensor] = {}
+        texts: dict[str, str] = {}
+        if self.heatmaps:
+            self._record_heat(metrics, step)
+            for kind, rows in self._heat.items():
+                names = [name for name in self._layers if name in rows]
+                if not names:
+                    continue
+                images[f"bnp/heatmap/{kind}"] = heatmap_image(torch.tensor([rows[n] for n in names]))
+                if not self._legend_written:
+                    texts[f"bnp/heatmap/{kind}"] = _legend(kind, names)
+            self._legend_written = self._legend_written or bool(texts)
+        log_tensorboard(trainer, histograms, images, texts, step)
+
+    def _record_heat(self, metrics: dict[str, float], step: int) -> None:
+        """Add this record's column (log10 κ(D), log10 raw weight κ per layer) to the heatmaps' history."""
+        column = {
+            kind: {name: math.log10(metrics[tag]) for name in self._layers if (tag := pattern.format(name)) in metrics}
+            for kind, pattern in (("kappa_D", "bnp/kappa_D/{}"), ("weight_kappa", "bnp/weight_kappa/{}/raw"))
+        }
+        self._heat_steps.append(step)
+        for kind, values in column.items():
+            rows = self._heat.setdefault(kind, {}) if values else self._heat.get(kind, {})
+            for name in values.keys() - rows.keys():
+                rows[name] = [math.nan] * (len(self._heat_steps) - 1)
+            for name, row in rows.items():
+                row.append(values.get(name, math.nan))
+        if len(self._heat_steps) > _HEAT_KEEP:  # keep every other column (and the newest): bounded memory
+            keep = [*range(0, len(self._heat_steps) - 1, 2), len(self._heat_steps) - 1]
+            self._heat_steps = [self._heat_steps[i] for i in keep]
+            for rows in self._heat.values():
+                for name, row in rows.items():
+                    rows[name] = [row[i] for i in keep]
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"heat_steps": list(self._heat_steps), "heat": {k: dict(v) for k, v in self._heat.items()}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._heat_steps = list(state_dict.get("heat_steps", []))
+        self._heat = {k: dict(v) for k, v in state_dict.get("heat", {}).items()}
 
     def _landscape_metrics(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, pre: BNPPreconditioner | None
@@ -510,6 +607,21 @@ def _step_multiples(value: Any) -> list[float]:
         return [check_float("landscape_steps", k, low=0.0, low_open=True) for k in value]
     except (TypeError, ValueError) as err:
         raise type(err)(message) from None
+
+
+_HEAT_KEEP = 512  # heatmap columns kept; the image shows at most 256 of them, evenly spaced
+
+_HEAT_TITLES = {"kappa_D": "log10 κ(D) (raw input statistics, paper 000 §5.1)", "weight_kappa": "log10 weight κ (raw)"}
+
+
+def _legend(kind: str, rows: list[str]) -> str:
+    """The text next to a heatmap in TensorBoard: what its rows, columns and colours are."""
+    names = ", ".join(f"`{name}`" for name in rows)
+    return (
+        f"**{_HEAT_TITLES[kind]}**: one row per layer, top to bottom: {names}. One column per record step, left to "
+        "right (at most 256, evenly spaced). Colour: viridis over whole decades, the exponent on the bar at the "
+        "right; grey: no value."
+    )
 
 
 def _everywhere(trainer: pl.Trainer, ok: bool) -> bool:

@@ -106,12 +106,14 @@ class Spectrum:
             numerically nonzero eigenvalues (the paper's κ* of Theorem 1 for a PSD matrix). ``inf`` for
             the zero matrix.
         rank: how many |λ| exceed tol·max|λ|.
+        nonzero: those |λ| (float64, ascending): the spectrum whose spread κ measures.
     """
 
     lambda_min: float
     lambda_max: float
     kappa: float
     rank: int
+    nonzero: Tensor
 
 
 def spectrum(matrix: Tensor, rtol: float | None = None) -> Spectrum:
@@ -127,9 +129,9 @@ def spectrum(matrix: Tensor, rtol: float | None = None) -> Spectrum:
     m = matrix.detach().double()
     eig = torch.linalg.eigvalsh((m + m.T) / 2)
     scale = float(eig.abs().max())
-    nonzero = eig.abs()[eig.abs() > tol * scale]
+    nonzero = eig.abs()[eig.abs() > tol * scale].sort().values
     kappa = scale / float(nonzero.min()) if scale > 0 else math.inf
-    return Spectrum(float(eig[0]), float(eig[-1]), kappa, int(nonzero.numel()))
+    return Spectrum(float(eig[0]), float(eig[-1]), kappa, int(nonzero.numel()), nonzero)
 
 
 def matrix_kappa(weight: Tensor) -> float:
@@ -354,10 +356,13 @@ def scale_invariant_units(
 
     A layer's output rows (conv: output channels) with their bias entries are split into ``units``
     contiguous equal groups; the split is scale-invariant when multiplying each group by its own random
-    c_u ∈ [1/2, 2) leaves ``outputs_of`` unchanged, max|Δo| ≤ ``rtol``·max|o|. A layer is tested as one
-    unit first (not invariant: not reported), then with the finest split that passes, trying the
-    divisors of ``out`` from ``out`` (BatchNorm, InstanceNorm: each unit) down to 1 (LayerNorm): a
-    GroupNorm(G) downstream gives G units.
+    c_u ∈ [1/2, 2) leaves ``outputs_of`` unchanged, max|Δo| ≤ ``rtol``·max|o|. Layers are scaled
+    together and the failing sets bisected (adaptive group testing: a set passes only if each of its layers
+    is invariant, random factors do not conspire), so a deep normalized network costs O(log L) evaluations,
+    not O(L): (1) each layer as one unit — the invariant layers; (2) among those, each output unit on its
+    own (BatchNorm, InstanceNorm); (3) for the rest, the other divisors of ``out`` from large to small, one
+    layer at a time (GroupNorm(G): G units; none passes: 1 unit, e.g. LayerNorm). A network without any
+    invariant layer costs up to 2L − 1 evaluations.
 
     Args:
         outputs_of: what training computes given tensors that replace the named ones (e.g. the loss and
@@ -373,26 +378,40 @@ def scale_invariant_units(
         reference = outputs_of({}).double()
         bound = rtol * float(reference.abs().max())
 
-        def unchanged(key_w: str, w: Tensor, key_b: str | None, b: Tensor | None, units: int) -> bool:
-            c = (torch.rand(units, generator=gen, dtype=torch.float64) * 1.5 + 0.5).repeat_interleave(
-                w.shape[0] // units
-            )
-            c = c.to(w.device)
-            replaced = {key_w: w * c.view(-1, *[1] * (w.dim() - 1)).to(w.dtype)}
-            if b is not None and key_b is not None:
-                replaced[key_b] = b * c.to(b.dtype)
+        def unchanged(split: dict[str, int]) -> bool:
+            """Whether scaling the ``split[layer]`` units of every listed layer leaves the outputs unchanged."""
+            replaced: dict[str, Tensor] = {}
+            for name, units in split.items():
+                key_w, w, key_b, b = layers[name]
+                c = torch.rand(units, generator=gen, dtype=torch.float64) * 1.5 + 0.5
+                c = c.repeat_interleave(w.shape[0] // units).to(w.device)
+                replaced[key_w] = w * c.view(-1, *[1] * (w.dim() - 1)).to(w.dtype)
+                if b is not None and key_b is not None:
+                    replaced[key_b] = b * c.to(b.dtype)
             ok = float((outputs_of(replaced).double() - reference).abs().max()) <= bound
             return agree(ok) if agree is not None else ok
 
+        def passing(names: list[str], units: Callable[[str], int]) -> list[str]:
+            """The layers of ``names`` whose split ``units(layer)`` is invariant, by bisection."""
+            if not names or unchanged({n: units(n) for n in names}):
+                return names
+            if len(names) == 1:
+                return []
+            half = len(names) // 2
+            return passing(names[:half], units) + passing(names[half:], units)
+
+        def out(name: str) -> int:
+            return int(layers[name][1].shape[0])
+
+        invariant = passing(list(layers), lambda name: 1)
+        per_unit = set(passing(invariant, out))
         found: dict[str, int] = {}
-        for name, (key_w, w, key_b, b) in layers.items():
-            if not unchanged(key_w, w, key_b, b, 1):
+        for name in invariant:
+            if name in per_unit:
+                found[name] = out(name)
                 continue
-            out = int(w.shape[0])
-            for units in (d for d in range(out, 0, -1) if out % d == 0):
-                if units == 1 or unchanged(key_w, w, key_b, b, units):
-                    found[name] = units
-                    break
+            divisors = [d for d in range(out(name) - 1, 1, -1) if out(name) % d == 0]
+            found[name] = next((d for d in divisors if unchanged({name: d})), 1)
     return found
 
 
