@@ -40,6 +40,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.seed import isolate_rng
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from typing_extensions import override
@@ -349,7 +350,9 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         if self._probe_batch is None and self.lanczos:  # the fixed probe batch: the first one measured
             self._probe_batch = [c.cloned() for c in self._captured]
         with ExitStack() as stack:
-            stack.enter_context(probes.preserved_rng(pl_module.device))
+            # torch (CPU, every CUDA device), NumPy and Python `random`, restored on exit: Lightning's utility,
+            # as exact as the hand-written fork_rng + NumPy/Python save it replaces (~0.05 ms more per record)
+            stack.enter_context(isolate_rng())
             stack.enter_context(pre.paused() if pre is not None else nullcontext())
             stack.enter_context(probes.silenced_logging(pl_module))
             try:

@@ -178,6 +178,10 @@ def neuron_hessians(loss_of: LossOf, blocks: Sequence[NeuronBlock]) -> list[Tens
         loss_of: the loss given tensors that replace the named ones (keys of the blocks).
         blocks: the neurons.
     """
+    # Kept rather than ``torch.func.hessian`` (+ ``vmap`` over blocks): the same Hessian to 5e-16 relative, but
+    # forward-over-reverse re-runs the whole forward/backward per direction, here one shared first backward is
+    # differentiated once, batched. Digits FC (batch 60, float64, 1 thread): last layer (101 parameters) 7.0 ms vs
+    # 9.4 ms, a hidden layer 47 ms vs 67 ms (``torch.autograd.functional.hessian(vectorize=True)``: 8.9 ms).
     if not blocks:  # nothing to differentiate (``autograd.grad`` refuses an empty list of inputs)
         return []
     thetas = [b.initial().clone().requires_grad_(True) for b in blocks]
@@ -238,6 +242,10 @@ def lanczos_extremes(
         device: where the vectors live.
         seed: seed of the start vector.
     """
+    # Kept rather than a library: ``torch.lobpcg`` takes an explicit matrix (no operator v ↦ A·v) and finds only
+    # one end of a positive definite spectrum (no signed λ_min); SciPy's ``eigsh`` on a ``LinearOperator`` (not a
+    # core dependency) gives the same extremes when converged but runs ARPACK's restarts to a tolerance, not a
+    # fixed budget of products: 184 ms vs 42 ms here for the two ends of a 2000×2000 test matrix (both exact).
     gen = torch.Generator(device="cpu").manual_seed(seed)
     q = torch.randn(dim, generator=gen, dtype=torch.float64).to(device)
     basis = [q / q.norm()]
@@ -319,6 +327,9 @@ def landscape_probe(
 def hessian_extremes(loss_of: LossOf, params: dict[str, Tensor], iters: int, seed: int = 0) -> tuple[float, float]:
     """(λ_min, λ_max) of the Hessian of ``loss_of`` with respect to all of ``params`` by :func:`lanczos_extremes`,
     with Hessian-vector products by double backpropagation through one retained graph."""
+    # One retained double-backward graph rather than ``torch.func.jvp(torch.func.grad(loss_of), ...)`` or
+    # ``torch.autograd.functional.hvp``, which rebuild forward and backward for every product: equal to 2e-15,
+    # 1.3 ms vs 5.0 / 4.4 ms per product for the 27.7k parameters of the digits FC network (float64).
     leaves = [p.detach().clone().requires_grad_(True) for p in params.values()]
     with torch.enable_grad():
         loss = loss_of(dict(zip(params, leaves)))
