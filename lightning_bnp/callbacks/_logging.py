@@ -38,6 +38,7 @@ __all__ = [
     "log_tensorboard",
 ]
 
+HISTOGRAM_BINS = 32
 MAX_CHARTS = 12
 """At most this many Custom Scalars charts per kind: deeper models get charts of consecutive layers."""
 
@@ -118,7 +119,9 @@ def log_tensorboard(
             continue
         writer = logger.experiment
         for tag, values in histograms.items():
-            writer.add_histogram(tag, values.detach().double().cpu(), global_step=step)
+            # 32 equal bins: a layer has tens to thousands of values; TensorBoard's default ("tensorflow", ~1500
+            # log-spaced edges through numpy.histogram) cost ~2 ms per histogram, ~15× more
+            writer.add_histogram(tag, values.detach().double().cpu(), global_step=step, bins=HISTOGRAM_BINS)
         for tag, image in images.items():
             writer.add_image(tag, image, global_step=step, dataformats="CHW")
         for tag, text in texts.items():
