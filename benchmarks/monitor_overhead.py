@@ -3,8 +3,9 @@
 Runs, in one process and interleaved (the arm order rotates every repeat, so load from other processes
 hits every arm alike), repeated Lightning fits of ``example_projects.fc_digits``: the paper's FC network
 (3×100, ReLU; paper 000, §5) on the bundled digits at batch 60 with SGD (lr 0.1), that example's Trainer
-settings (validation every epoch, ``log_every_n_steps=5``, ``deterministic=True``, a TensorBoardLogger;
-the progress bar off), for these arms:
+settings (validation every epoch, ``deterministic=True``, a TensorBoardLogger; the progress bar off) except
+``log_every_n_steps``: Lightning's default 50 here (``--log-every-n-steps``; the example sets 5 for its short
+demo), which ``ConditionNumberMonitor``'s default cadence follows. Arms:
 
 * ``BNP`` — ``BatchNormPreconditioning()`` only, as in the example;
 * ``BNP + monitors (defaults)`` — plus ``ConditionNumberMonitor()`` and ``TimingMonitor()`` at their
@@ -18,7 +19,8 @@ the training steps alone (``on_train_start`` → ``on_train_end`` minus the vali
 measure. The table gives medians, the ratios to ``BNP`` (target for the defaults: ≤ 1.05) and the extra
 CPU milliseconds per ConditionNumberMonitor record. Writes ``benchmarks/out/monitor_overhead.md``.
 
-Run: ``python -m benchmarks.monitor_overhead [--repeats 15] [--epochs 20] [--threads N] [--quick]``
+Run: ``python -m benchmarks.monitor_overhead [--repeats 15] [--epochs 20] [--threads N] [--log-every-n-steps 50]
+[--quick]``
 """
 
 from __future__ import annotations
@@ -83,15 +85,15 @@ class TrainClock(pl.Callback):
         self.seconds = [t - s - v for t, s, v in zip(_now(), self.start, self.validation)]
 
 
-def fit_seconds(arm: str, data: DigitsDataModule, epochs: int, root: Path) -> list[float]:
+def fit_seconds(arm: str, data: DigitsDataModule, epochs: int, root: Path, log_every: int) -> list[float]:
     """[fit wall, fit CPU, steps wall, steps CPU] of one fit of the example in the given arm."""
     torch.manual_seed(0)
     clock = TrainClock()
-    trainer = pl.Trainer(  # example_projects.fc_digits's settings, progress bar off
+    trainer = pl.Trainer(  # example_projects.fc_digits's settings but `log_every_n_steps`, progress bar off
         max_epochs=epochs,
         logger=TensorBoardLogger(root, name=arm.replace(" ", "_")),
         callbacks=[*ARMS[arm](), clock],
-        log_every_n_steps=5,
+        log_every_n_steps=log_every,
         accelerator="cpu",
         deterministic=True,
         enable_progress_bar=False,
@@ -108,6 +110,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="fits per arm (the median is reported)")
     parser.add_argument("--epochs", type=int, default=20, help="epochs per fit (20 steps each at batch 60)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
+    parser.add_argument(
+        "--log-every-n-steps", type=int, default=50, help="Trainer(log_every_n_steps): the monitor's default cadence"
+    )
     parser.add_argument("--quick", action="store_true", help="2 repeats of 3 epochs: a smoke test")
     args = parser.parse_args()
     if args.threads is not None:
@@ -118,25 +123,27 @@ def main() -> None:
     data = DigitsDataModule(batch_size=BATCH)
     data.setup("fit")
     steps = epochs * len(data.train_dataloader())
-    every = ConditionNumberMonitor().every_n_steps
+    every = args.log_every_n_steps  # ConditionNumberMonitor(every_n_steps=None) follows the Trainer's cadence
     records = len(range(0, steps, every))
     samples: dict[str, list[list[float]]] = {arm: [] for arm in ARMS}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        fit_seconds("BNP", data, 1, Path(tmp))  # warm-up (imports, allocator)
-        fit_seconds(DEFAULTS, data, 1, Path(tmp))  # the first float64 double backward initialises vmap
+        fit_seconds("BNP", data, 1, Path(tmp), every)  # warm-up (imports, allocator)
+        fit_seconds(DEFAULTS, data, 1, Path(tmp), every)  # the first float64 double backward initialises vmap
         arms = list(ARMS)
         for r in range(repeats):
             for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
-                samples[arm].append(fit_seconds(arm, data, epochs, Path(tmp)))
+                samples[arm].append(fit_seconds(arm, data, epochs, Path(tmp), every))
     elapsed = time.perf_counter() - start
     med = {arm: [statistics.median(column) for column in zip(*s)] for arm, s in samples.items()}
     setup = f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, {repeats} repeats"
     lines = [
         f"# Monitor overhead on the digits FC example ({setup})\n",
         f"`example_projects.fc_digits` settings, {epochs} epochs = {steps} steps at batch {BATCH} plus validation "
-        f"each epoch; ConditionNumberMonitor records {records} times per fit (default `every_n_steps` = {every}), "
-        f"TimingMonitor every {TimingMonitor().every_n_steps} steps. Medians over interleaved fits; CPU = process "
+        f"each epoch; ConditionNumberMonitor records {records} times per fit (default `every_n_steps`: the Trainer's "
+        f"`log_every_n_steps` = {every}), "
+        f"TimingMonitor every {TimingMonitor().every_n_steps or every} steps. Medians over interleaved fits; "
+        "CPU = process "
         "time (robust to other load on the machine). *fit* = the whole `trainer.fit`; *steps* = the training "
         "loop without its validation.\n",
         "| arm | fit wall s | fit CPU s | steps wall ms/step | steps CPU ms/step | "

@@ -6,20 +6,19 @@ paper 003, App. A.2.2: L and ∇L along the step direction). :class:`StepLoss` c
 LightningModule's ``training_step`` on the captured batches through ``torch.func.functional_call``
 on detached parameters and cloned buffers, so nothing the Trainer owns is written: no ``.grad``, no
 BatchNorm running statistics, no BNP statistics (paused by the caller), no ``self.log`` (silenced)
-and no random state (:func:`preserved_rng` restores torch's CPU/CUDA, NumPy's and Python's).
+and no random state (the caller restores torch's CPU/CUDA, NumPy's and Python's with Lightning's
+``isolate_rng``).
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -36,7 +35,6 @@ __all__ = [
     "is_neuron_layer",
     "learning_rates",
     "neuron_p",
-    "preserved_rng",
     "raw_statistics",
     "silenced_logging",
     "statistics",
@@ -103,7 +101,7 @@ class StepLoss:
         values = {f"module.{k}": v for k, v in values.items()}
         total: Tensor | None = None
         for batch, captured in self.batches:
-            torch.set_rng_state(captured.cpu_rng)  # the caller restores the RNG (preserved_rng)
+            torch.set_rng_state(captured.cpu_rng)  # the caller restores the RNG (isolate_rng)
             if captured.cuda_rng is not None:
                 torch.cuda.set_rng_state(captured.cuda_rng, self.device)
             with self.context():
@@ -115,19 +113,21 @@ class StepLoss:
         assert total is not None
         return total
 
+    def outputs(self, replaced: dict[str, Tensor]) -> Tensor:
+        """The loss followed by every floating tensor the LightningModule's ``forward`` returned during it,
+        flattened (float64, detached): what the scale-invariance check compares (:func:`M.scale_invariant_units`)."""
+        seen: list[Tensor] = []
 
-@contextmanager
-def preserved_rng(device: torch.device) -> Iterator[None]:
-    """Restore torch's (CPU and ``device``'s CUDA), NumPy's global and Python's ``random`` state on exit,
-    so that a probe that re-runs ``training_step`` (which may draw from any of them) leaves the run's
-    random streams exactly where they were."""
-    py_state, np_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
+        def keep(t: Tensor) -> None:
+            if t.is_floating_point():
+                seen.append(t.detach().double().reshape(-1))
+
+        handle = self.wrapper.module.register_forward_hook(lambda m, a, out: apply_to_collection(out, Tensor, keep))
+        try:
+            loss = self(replaced)
+        finally:
+            handle.remove()
+        return torch.cat([loss.detach().double().reshape(1), *seen])
 
 
 @contextmanager

@@ -38,11 +38,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.seed import isolate_rng
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bnp.callbacks._probes import Captured, preserved_rng, silenced_logging
+from lightning_bnp.callbacks._probes import Captured, silenced_logging
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import BNPPreconditioner
@@ -269,7 +270,7 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
         with ExitStack() as stack:
             stack.enter_context(pre.paused() if pre is not None else nullcontext())
             stack.enter_context(silenced_logging(pl_module))
-            stack.enter_context(preserved_rng(pl_module.device))  # the run's random streams go on untouched
+            stack.enter_context(isolate_rng())  # the run's random streams (torch, CUDA, NumPy, Python) go on untouched
             return hessian_vector_product(
                 loss_fn,
                 params,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import io
 import math
 import random
 import re
@@ -25,7 +26,7 @@ from typing_extensions import override
 
 from lightning_bnp.callbacks import _probes as probes
 from lightning_bnp.callbacks import timing_monitor
-from lightning_bnp.callbacks._logging import log_metrics
+from lightning_bnp.callbacks._logging import MAX_CHARTS, heatmap_image, layer_charts, log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.condition_monitor import ConditionNumberMonitor
 from lightning_bnp.callbacks.timing_monitor import TimingMonitor
@@ -66,6 +67,13 @@ def scalars(trainer: Any) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def events(trainer: Any) -> EventAccumulator:
+    """Every histogram, image and tensor (text, layout) record of the run (the default keeps only a few)."""
+    acc = EventAccumulator(trainer.logger.log_dir, size_guidance={"histograms": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
 def everything_on(**kwargs: Any) -> ConditionNumberMonitor:
     return ConditionNumberMonitor(lanczos=True, lanczos_iters=5, landscape=True, **kwargs)
 
@@ -82,7 +90,6 @@ def test_tags_are_logged_grouped_by_kind_and_layer_and_finite(tmp_path: Path) ->
         "bnp/weight_kappa/network.0/raw",
         "bnp/weight_kappa/network.0/conditioned",
         "bnp/weight_kappa/network.4/raw",
-        "bnp/effective_lr/network.0",  # Linear → ReLU → BatchNorm1d
         "bnp/hessian_kappa/network.4/original",  # default: the last BNP layer (the paper's Fig. 8)
         "bnp/hessian_kappa/network.4/preconditioned",
         "bnp/hessian_min_ratio/network.4/original",
@@ -97,6 +104,8 @@ def test_tags_are_logged_grouped_by_kind_and_layer_and_finite(tmp_path: Path) ->
     }
     assert expected <= set(logged), expected - set(logged)
     assert "bnp/effective_lr/network.4" not in logged and "bnp/weight_kappa/network.4/conditioned" not in logged
+    # Linear → ReLU → BatchNorm1d, but ColumnNorm(c·W) = ColumnNorm(W) while b scales: (W, b) is not scale-invariant
+    assert not [tag for tag in logged if tag.startswith(("bnp/effective_lr", "bnp/weight_norm_sq"))]
     for tag in expected:
         assert [step for step, _ in logged[tag]] == [0, 2], tag
         assert all(math.isfinite(v) for _, v in logged[tag]), tag
@@ -145,6 +154,17 @@ def test_logged_hessian_kappa_equals_proposition_2_on_the_last_layer(tmp_path: P
     assert logged["bnp/hessian_kappa/network.2/preconditioned"][0][1] == pytest.approx(expected, rel=1e-5)
     sigma = var_tilde_ref(running.var).sqrt()
     assert logged["bnp/kappa_D_floored/network.2"][0][1] == pytest.approx(float(sigma.max() / sigma.min()), rel=1e-5)
+    # issue 17 item 4: the histograms of σ̃ and μ and of the spectra (log10|λ| of the nonzero eigenvalues)
+    acc = events(trainer)
+    for tag, values in (("bnp/sigma_tilde/network.2", sigma), ("bnp/mu/network.2", running.mu.double())):
+        (h,) = [e.histogram_value for e in acc.Histograms(tag)]
+        assert (h.min, h.max, h.num) == pytest.approx((float(values.min()), float(values.max()), 8), rel=1e-6), tag
+    for variant, matrix in (("original", hessian), ("preconditioned", pmat.T @ hessian @ pmat)):
+        eig = torch.linalg.eigvalsh(matrix).abs()
+        nonzero = eig[eig > matrix.shape[0] * 2.3e-16 * eig.max()]
+        (h,) = [e.histogram_value for e in acc.Histograms(f"bnp/hessian_spectrum/network.2/{variant}")]
+        expected = (float(nonzero.min().log10()), float(nonzero.max().log10()), nonzero.numel())
+        assert (h.min, h.max, h.num) == pytest.approx(expected, rel=1e-5, abs=1e-5), variant
     # eq. 12 with the raw σ of the activations: the running average of the batch σ² without the paper's
     # initial σ² = 1 (after one step exactly the batch's σ²_H), even though P itself still carries it
     initial = tanh_net().double()  # step 0's batch statistics are of the input under the initial weights
@@ -607,3 +627,170 @@ def test_timing_reads_callback_hooks_through_the_trainers_profiler(tmp_path: Pat
     logged = scalars(trainer)
     assert [step for step, _ in logged["timing/bnp_transform_ms"]] == [0, 1, 2]
     assert all(v > 0 for _, v in logged["timing/callbacks/BatchNormPreconditioning_ms"])
+
+
+@pytest.mark.parametrize(
+    ("log_every_n_steps", "every_n_steps", "expected"), [(3, None, [0, 3, 6]), (3, 2, [0, 2, 4, 6]), (0, 4, [0, 4])]
+)
+def test_default_cadence_is_the_trainers_log_every_n_steps(
+    tmp_path: Path, log_every_n_steps: int, every_n_steps: int | None, expected: list[int]
+) -> None:
+    """Issue 17 item 5: like Lightning's LearningRateMonitor, `every_n_steps=None` follows the Trainer."""
+    monitor = ConditionNumberMonitor(every_n_steps=every_n_steps)
+    trainer = _fit(tmp_path, BoringClassifier(bn_net()), make_data(n=112), batch_size=16, max_steps=7,
+                   callbacks=[BatchNormPreconditioning(), monitor], logger=TensorBoardLogger(tmp_path),
+                   log_every_n_steps=log_every_n_steps)  # fmt: skip
+    assert [step for step, _ in scalars(trainer)["bnp/weight_kappa/network.0/raw"]] == expected
+
+
+def test_log_every_n_steps_zero_records_nothing_by_default(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match=r"`Trainer\(log_every_n_steps=0\)` turns logging off"):
+        trainer = _fit(tmp_path, BoringClassifier(bn_net()), make_data(), batch_size=16, max_steps=2,
+                       callbacks=[BatchNormPreconditioning(), ConditionNumberMonitor()],
+                       logger=TensorBoardLogger(tmp_path), log_every_n_steps=0)  # fmt: skip
+    assert not [tag for tag in scalars(trainer) if tag.startswith("bnp/")]
+
+
+def test_effective_lr_is_logged_for_every_conv_of_a_resnet20_with_bn(tmp_path: Path) -> None:
+    """Issue 18 §2: the Sequential-only rule found 1 of the 19 convs of this ResNet-20 (its stem; the other 18 sit
+    in BasicBlock.forward), all followed by BatchNorm2d. The numerical check finds all 19, per output channel,
+    and not the head. Values against independent formulas at the parameters after step 0."""
+    from example_projects.models import cifar_resnet
+
+    torch.manual_seed(0)
+    model = BoringClassifier(cifar_resnet(depth=20, in_channels=3, num_classes=3, norm="bn"), lr=0.05)
+    convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    assert len(convs) == 19 and all(m.bias is None for m in convs.values())
+    monitor = ConditionNumberMonitor(every_n_steps=1, kappa_d=False, hessian_block=False, weight_kappa=False)
+    trainer = _fit(tmp_path, model, make_data(n=16, shape=(3, 8, 8)), batch_size=8, callbacks=[monitor], max_steps=2,
+                   logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    for kind in ("effective_lr", "weight_norm_sq", "weight_grad_cosine"):
+        assert {t for t in logged if t.startswith(f"bnp/{kind}/")} == {f"bnp/{kind}/{n}" for n in convs}, kind
+    assert monitor._scale_invariant == {n: m.out_channels for n, m in convs.items()}
+    for name, conv in convs.items():
+        w = conv.weight.detach().double()
+        rows = w.reshape(w.shape[0], -1).square().sum(1)
+        assert logged[f"bnp/effective_lr/{name}"][-1][1] == pytest.approx(0.05 / float(rows.mean()), rel=1e-5)
+        assert logged[f"bnp/weight_norm_sq/{name}"][-1][1] == pytest.approx(float(rows.sum()), rel=1e-5)
+        assert all(abs(v) < 1e-3 for _, v in logged[f"bnp/weight_grad_cosine/{name}"]), name  # ⟨w, ∇w⟩ ≈ 0
+    # SGD without weight decay: ‖w‖² grows (paper 002, Lemma 2.4: ‖w_{t+1}‖² = ‖w_t‖² + η²‖∇w‖²)
+    assert all(logged[f"bnp/weight_norm_sq/{n}"][1][1] > logged[f"bnp/weight_norm_sq/{n}"][0][1] for n in convs)
+
+
+def test_heatmap_image_uses_the_viridis_table_over_whole_decades() -> None:
+    """log10 values 0, 1, 2 (and a missing one): the scale runs over decades 0…2, so 0 is viridis' first colour
+    (68, 1, 84), 2 its last (253, 231, 37) and 1 halfway between its 5th and 6th table entries (38, 130, 142)
+    and (31, 158, 137); a missing value is grey. Cells are 16 px at this size."""
+    image = heatmap_image(torch.tensor([[0.0, 1.0], [math.nan, 2.0]]))
+    assert image.shape[0] == 3 and 0.0 <= float(image.min()) and float(image.max()) <= 1.0
+    rgb = (image.permute(1, 2, 0) * 255).double()
+    for (row, col), colour in {
+        (0, 0): (68, 1, 84),
+        (0, 1): (34.5, 144, 139.5),
+        (1, 0): (127.5, 127.5, 127.5),
+        (1, 1): (253, 231, 37),
+    }.items():
+        cell = rgb[16 * row : 16 * row + 16, 16 * col : 16 * col + 16].reshape(-1, 3)
+        torch.testing.assert_close(cell, torch.tensor(colour, dtype=torch.float64).expand_as(cell), atol=1e-3, rtol=0)
+
+
+def test_heatmaps_show_the_logged_kappas_layer_by_step_and_survive_resume(tmp_path: Path) -> None:
+    """The image is the layer × record-step matrix of log10 of the logged κ(D) (rows: network.0, network.4);
+    resuming from a checkpoint keeps the earlier columns."""
+    from PIL import Image
+
+    data = make_data()
+    first = ConditionNumberMonitor(every_n_steps=1)
+    trainer = _fit(tmp_path / "a", BoringClassifier(bn_net()), data, batch_size=16, max_steps=2,
+                   callbacks=[BatchNormPreconditioning(), first], logger=TensorBoardLogger(tmp_path / "a"))  # fmt: skip
+    checkpoint = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    resumed = ConditionNumberMonitor(every_n_steps=1)
+    trainer = _fit(tmp_path / "b", BoringClassifier(bn_net()), data, batch_size=16, max_steps=4,
+                   callbacks=[BatchNormPreconditioning(), resumed], logger=TensorBoardLogger(tmp_path / "b"),
+                   ckpt_path=str(checkpoint))  # fmt: skip
+    assert resumed._heat_steps == [0, 1, 2, 3]
+    old = scalars(SimpleNamespace(logger=TensorBoardLogger(tmp_path / "a", version=0)))
+    new = scalars(trainer)
+    matrix = torch.tensor(
+        [
+            [math.log10(v) for _, v in old[f"bnp/kappa_D/{n}"] + new[f"bnp/kappa_D/{n}"]]
+            for n in ("network.0", "network.4")
+        ]
+    )
+    assert matrix.shape == (2, 4)
+    records = events(trainer).Images("bnp/heatmap/kappa_D")
+    assert [r.step for r in records] == [2]  # images on records 1, 11, 21, … of a fit: the resumed fit's first
+    decoded = torch.tensor(np.array(Image.open(io.BytesIO(records[-1].encoded_image_string)).convert("RGB")))
+    expected = (heatmap_image(matrix[:, :3]).permute(1, 2, 0) * 255).round()  # steps 0, 1 (first fit) and 2
+    torch.testing.assert_close(decoded.double(), expected.double(), atol=1.0, rtol=0)
+    legend = events(trainer).Tensors("bnp/heatmap/weight_kappa/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "`network.0`, `network.4`" in legend and "log10 weight κ" in legend
+
+
+def test_pictures_go_to_tensorboard_only_and_can_be_switched_off(tmp_path: Path) -> None:
+    callbacks = [BatchNormPreconditioning(), ConditionNumberMonitor(every_n_steps=1)]
+    loggers = [TensorBoardLogger(tmp_path), CSVLogger(tmp_path)]
+    _fit(tmp_path, BoringClassifier(bn_net()), make_data(), batch_size=16, max_steps=2, callbacks=callbacks,
+         logger=loggers)  # fmt: skip
+    acc = EventAccumulator(loggers[0].log_dir)
+    acc.Reload()
+    assert {"bnp/sigma_tilde/network.0", "bnp/mu/network.4", "bnp/hessian_spectrum/network.4/original",
+            "bnp/hessian_spectrum/network.4/preconditioned"} <= set(acc.Tags()["histograms"])  # fmt: skip
+    assert set(acc.Tags()["images"]) == {"bnp/heatmap/kappa_D", "bnp/heatmap/weight_kappa"}
+    with open(Path(loggers[1].log_dir) / "metrics.csv") as f:
+        columns = next(csv.reader(f))
+    assert "bnp/kappa_D/network.0" in columns and not [c for c in columns if "sigma_tilde" in c or "heatmap" in c]
+    off = ConditionNumberMonitor(every_n_steps=1, histograms=False, spectra=False, heatmaps=False)
+    trainer = _fit(tmp_path / "off", BoringClassifier(bn_net()), make_data(), batch_size=16, max_steps=2,
+                   callbacks=[BatchNormPreconditioning(), off], logger=TensorBoardLogger(tmp_path / "off"))  # fmt: skip
+    acc = events(trainer)
+    assert not acc.Tags()["histograms"] and not acc.Tags()["images"] and "bnp/kappa_D/network.0" in scalars(trainer)
+
+
+def test_non_finite_histograms_are_skipped_with_one_warning() -> None:
+    monitor = ConditionNumberMonitor()
+    logger = mock.Mock(spec=TensorBoardLogger)
+    trainer = SimpleNamespace(loggers=[logger])
+    monitor._spectra = {"bnp/hessian_spectrum/x/original": torch.tensor([0.0, math.inf]),
+                        "bnp/hessian_spectrum/x/preconditioned": torch.tensor([0.0, 1.0])}  # fmt: skip
+    with pytest.warns(UserWarning, match=r"bnp/hessian_spectrum/x/original has non-finite values"):
+        monitor._log_pictures(trainer, {}, 0)  # type: ignore[arg-type]
+    monitor._log_pictures(trainer, {}, 1)  # type: ignore[arg-type]
+    tags = [c.args[0] for c in logger.experiment.add_histogram.call_args_list]
+    assert tags == ["bnp/hessian_spectrum/x/preconditioned"] * 2
+    assert len([t for t in monitor._warned if "finite" in t]) == 1
+
+
+def test_layer_charts_of_a_deep_model_are_bounded_and_cover_every_layer() -> None:
+    names = [f"{i}.conv{j}" for i in range(54) for j in (1, 2)] + ["0", "59"]
+    for title in (None, "κ"):
+        charts = layer_charts("bnp", "weight_kappa", names, title=title)
+        assert len(charts) <= MAX_CHARTS
+        for name in names:
+            tags = (f"bnp/weight_kappa/{name}/raw", f"bnp/weight_kappa/{name}/conditioned")
+            assert all(sum(bool(re.match(r, tag)) for rs in charts.values() for r in rs) == 1 for tag in tags), name
+        assert not any(re.match(r, "bnp/weight_kappa/10.conv10/raw") for rs in charts.values() for r in rs)
+    assert set(layer_charts("bnp", "weight_kappa", ["a", "b"])) == {"a", "b"}  # shallow: one chart per layer
+
+
+def test_resnet110_gets_a_bounded_number_of_custom_scalars_charts(tmp_path: Path) -> None:
+    """Issue 17 item 4: ~220 single-line charts for ResNet-110 before; now at most MAX_CHARTS per kind, and every
+    logged tag is still in a chart."""
+    from example_projects.models import cifar_resnet
+
+    torch.manual_seed(0)
+    model = BoringClassifier(cifar_resnet(depth=110, num_classes=3, norm="bn"))
+    monitor = ConditionNumberMonitor(every_n_steps=1, hessian_block=False, effective_lr=False)
+    trainer = _fit(tmp_path, model, make_data(n=4, shape=(3, 8, 8)), batch_size=4, max_steps=1,
+                   callbacks=[BatchNormPreconditioning(), monitor], logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    acc = events(trainer)
+    (event,) = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+    tags = [t for t in scalars(trainer) if t.startswith("bnp/")]
+    assert len(tags) == 3 * 110  # κ(D), κ(D̃), weight κ (raw) of 110 layers
+    assert all(len(category.chart) <= MAX_CHARTS for category in layout.category)
+    assert sum(len(category.chart) for category in layout.category) <= 3 * MAX_CHARTS
+    regexes = [r for category in layout.category for c in category.chart for r in c.multiline.tag]
+    assert all(any(re.match(r, tag) for r in regexes) for tag in tags)

@@ -207,30 +207,75 @@ def test_hessian_extremes_of_a_small_network() -> None:
     assert lo == pytest.approx(float(eig[0]), abs=1e-9) and hi == pytest.approx(float(eig[-1]), rel=1e-9)
 
 
-def test_scale_invariant_layers_rule() -> None:
-    model = nn.Sequential(
-        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)),  # per unit
-        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Dropout(0.1), nn.LayerNorm(4)),  # whole layer
-        nn.Sequential(nn.Linear(4, 4), nn.ELU(), nn.BatchNorm1d(4)),  # ELU is not homogeneous
-        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)),  # no normalization
-    )
-    cnn = nn.Sequential(nn.Conv2d(2, 6, 3), nn.ReLU(), nn.MaxPool2d(2), nn.GroupNorm(3, 6), nn.Conv2d(6, 2, 1))
-    assert M.scale_invariant_layers(model) == {"0.0": 4, "1.0": 1}
-    assert M.scale_invariant_layers(cnn) == {"0": 3}
+class Residual(nn.Module):
+    """Not an ``nn.Sequential``: x + norm(relu(conv(x))) per branch, with each kind of normalization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn_conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.gn_conv, self.gn = nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.ln_conv, self.ln = nn.Conv2d(4, 4, 1), nn.LayerNorm([4, 5, 5])
+        self.elu_conv, self.elu_bn = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)  # ELU is not homogeneous
+        self.plain = nn.Conv2d(4, 4, 1)  # no normalization after it
+        self.head = nn.Linear(4 * 25, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.bn(torch.relu(self.bn_conv(x)))
+        x = x + self.gn(self.gn_conv(x))
+        x = x + self.ln(self.ln_conv(x))
+        x = x + self.elu_bn(nn.functional.elu(self.elu_conv(x)))
+        return self.head((x + self.plain(x)).flatten(1))
 
 
-@pytest.mark.parametrize("units", [4, 2, 1])
-def test_scale_invariant_units_leave_the_training_loss_unchanged(units: int) -> None:
-    norm = {4: nn.BatchNorm1d(4, eps=1e-12), 2: nn.GroupNorm(2, 4, eps=1e-12), 1: nn.LayerNorm(4, eps=1e-12)}[units]
-    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), norm, nn.Linear(4, 2)).double().train()
-    assert M.scale_invariant_layers(net) == {"0": units}
-    x = torch.randn(16, 3, dtype=torch.float64)
-    before = net(x)
-    scale = torch.rand(units, dtype=torch.float64).repeat_interleave(4 // units) * 5 + 0.1  # c_u > 0 per unit
-    with torch.no_grad():
-        net[0].weight.mul_(scale[:, None])
-        net[0].bias.mul_(scale)
-    torch.testing.assert_close(net(x), before, rtol=1e-5, atol=1e-5)
+def test_scale_invariant_units_are_found_numerically_in_any_architecture() -> None:
+    """Paper 002, Definition 2.1, outside ``nn.Sequential``: BN → each channel, GroupNorm(2) → 2 groups of
+    channels, LayerNorm → the whole layer; the ELU branch, the un-normalized conv and the head are not
+    invariant. Scaling a found unit by any c > 0 leaves the outputs unchanged (checked here independently
+    with other factors, in float64, with the norms' ε ≈ 0)."""
+    torch.manual_seed(0)
+    net = Residual().double().train()
+    for m in net.modules():
+        if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm)):
+            m.eps = 1e-12  # ≈ 0: exactly invariant up to float64 rounding (BatchNorm refuses ε = 0)
+    x = torch.randn(8, 4, 5, 5, dtype=torch.float64)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    buffers = {k: v.detach() for k, v in net.named_buffers()}
+
+    def outputs_of(replaced: dict[str, Tensor]) -> Tensor:
+        cloned = {k: b.clone() for k, b in buffers.items()}  # BN in training mode updates its buffers
+        return torch.func.functional_call(net, {**params, **cloned, **replaced}, (x,)).reshape(-1)
+
+    names = ["bn_conv", "gn_conv", "ln_conv", "elu_conv", "plain", "head"]
+    layers = {n: (f"{n}.weight", params[f"{n}.weight"], f"{n}.bias", params[f"{n}.bias"]) for n in names}
+    before = {k: v.clone() for k, v in buffers.items()}
+    found = M.scale_invariant_units(outputs_of, layers)
+    assert found == {"bn_conv": 4, "gn_conv": 2, "ln_conv": 1}
+    assert all(torch.equal(before[k], buffers[k]) for k in buffers)  # running statistics untouched
+    for name, units in found.items():
+        c = (torch.rand(units, dtype=torch.float64) * 9 + 0.1).repeat_interleave(4 // units)
+        scaled = {
+            f"{name}.weight": params[f"{name}.weight"] * c[:, None, None, None],
+            f"{name}.bias": params[f"{name}.bias"] * c,
+        }
+        torch.testing.assert_close(outputs_of(scaled), outputs_of({}), rtol=1e-9, atol=1e-9)
+    verdicts: list[bool] = []  # DDP: every verdict goes through `agree`; a veto anywhere means "not invariant"
+
+    def vetoed(ok: bool) -> bool:
+        verdicts.append(ok)
+        return False
+
+    assert M.scale_invariant_units(outputs_of, layers, agree=vetoed) == {}
+    # whole-layer tests by bisection (every verdict vetoed): all six; [bn], [gn, ln] within the first half (the
+    # local verdicts: invariant); then [elu, plain, head] and its parts (not invariant)
+    assert verdicts == [False, True, True, True, True, True, False, False, False, False, False]
+
+
+def test_weight_norm_and_grad_cosine() -> None:
+    w, b = torch.tensor([[3.0, 0.0], [0.0, 1.0]]), torch.tensor([4.0, 0.0])
+    gw, gb = torch.tensor([[0.0, 2.0], [0.0, 0.0]]), torch.tensor([1.0, 0.0])
+    norm_sq, cosine = M.weight_norm_and_grad_cosine(w, b, gw, gb)
+    assert norm_sq == 26.0 and cosine == pytest.approx(4.0 / (26.0**0.5 * 5.0**0.5))
+    assert math.isnan(M.weight_norm_and_grad_cosine(w, None, torch.zeros(2, 2), None)[1])
 
 
 def test_effective_learning_rate() -> None:
