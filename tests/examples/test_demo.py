@@ -1,5 +1,5 @@
 """`make demo` (issue 17 item 3): the comparison runs end to end, prints and writes its table and figure, and
-leaves TensorBoard runs with κ and timing values, none of them non-finite."""
+leaves TensorBoard runs with κ and timing values, histograms and heatmap images, none of them non-finite."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ def test_quick_demo_writes_table_figure_and_finite_tensorboard_logs(
     assert (run_dir / "comparison.png").stat().st_size > 10_000
     for run in runs:
         assert 0.0 <= run.test_acc <= 1.0
-        events = EventAccumulator(str(run_dir / f"b{run.batch_size}_{run.method}"), size_guidance={"scalars": 0})
+        events = EventAccumulator(
+            str(run_dir / f"b{run.batch_size}_{run.method}"), size_guidance={"scalars": 0, "histograms": 0, "images": 0}
+        )
         events.Reload()
         tags = events.Tags()["scalars"]
         expected = ["timing/step_ms", "val/acc", "train/loss"]
@@ -33,6 +35,14 @@ def test_quick_demo_writes_table_figure_and_finite_tensorboard_logs(
             expected += [t for t in tags if t.startswith("bnp/kappa_D/")][:1] or ["bnp/kappa_D/<missing>"]
         assert set(expected) <= set(tags), (run.method, sorted(tags))
         assert all(math.isfinite(e.value) for tag in tags for e in events.Scalars(tag))
+        histograms, images = events.Tags()["histograms"], events.Tags()["images"]
+        assert any("spectrum" in tag for tag in histograms), (run.method, histograms)
+        assert any("weight_kappa" in tag for tag in images), (run.method, images)
+        if run.method == "bnp":
+            assert any("sigma" in tag for tag in histograms) and any("kappa_D" in tag for tag in images)
+        for tag in histograms:
+            for event in events.Histograms(tag):
+                assert math.isfinite(event.histogram_value.min) and math.isfinite(event.histogram_value.max)
 
 
 def test_summary_counts_steps_to_target_and_medians() -> None:
