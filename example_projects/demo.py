@@ -11,7 +11,8 @@ every run (all three, so the baselines' Hessian κ can be set beside BNP's).
 It prints a summary table (test accuracy, steps to a validation-accuracy target, ms per step, the Hessian-block
 κ of an output neuron before and after BNP's preconditioning, κ(D) of BNP's layer inputs), writes it to
 ``summary.md``, draws ``comparison.png`` and leaves one TensorBoard run per (batch, method) under
-``runs/demo/version_N/`` (scalars; histograms of σ̃, μ and the Hessian spectrum; κ heatmap images). About 1–2 minutes on 2 CPU cores; a GPU is used when there is one.
+``runs/demo/version_N/`` (scalars; histograms of σ̃, μ and the Hessian spectrum; κ heatmap images).
+About 1–2 minutes on 2 CPU cores; a GPU is used when there is one.
 
 Run: ``.venv/bin/python -m example_projects.demo [--quick] [--seed 0] [--log-dir runs] [--accelerator auto]``
 """
