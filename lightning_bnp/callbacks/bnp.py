@@ -221,7 +221,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         if not isinstance(batch_size, int) or getattr(batch_sampler, "drop_last", True) or sampler is None:
             return
         if self.preconditioner._distributed() or not any(
-            isinstance(layer.module, torch.nn.Linear) for layer in self.preconditioner.layers.values()
+            layer.kind.dense for layer in self.preconditioner.layers.values()
         ):
             return  # pooled over ranks, or conv layers only (rows = batch × positions)
         samples, batches = len(sampler), trainer.num_training_batches
