@@ -71,7 +71,9 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         exclude: glob patterns of module names to leave alone (a bare string is one pattern).
         sync_statistics: under DDP, pool each step's statistics over all ranks (one collective)
             so that every rank applies the same preconditioner to the all-reduced gradient.
-        verbose: at setup, say on rank zero which layers BNP manages (one line).
+        verbose: at setup, say on rank zero which layers BNP manages (one line), and, when it leaves some of
+            the model's weight matrices alone, how many it transforms and which it does not, with the reason
+            (``BNPPreconditioner.report()``, ``.skipped``).
         conv_statistics: a convolution's μ, σ² per input channel (``"channel"``, the default: eqs. 21–22,
             the paper's implementation of Alg. 3, one value per channel repeated over the kernel offsets) or
             exactly per im2col column (``"column"``: eqs. 19–20, one value per input channel and kernel
@@ -155,7 +157,8 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             self._model = pl_module
             if self.verbose:
                 names = list(self.preconditioner.layers)
-                rank_zero_info(f"BatchNormPreconditioning: BNP manages {len(names)} layers: {names}")
+                report = "" if not self.preconditioner.skipped else f"; {self.preconditioner.report()}"
+                rank_zero_info(f"BatchNormPreconditioning: BNP manages {len(names)} layers: {names}{report}")
         self.preconditioner.attach()
         if self._loaded_state is not None:
             self.preconditioner.load_state_dict(self._loaded_state)

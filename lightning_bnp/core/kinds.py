@@ -290,8 +290,9 @@ def select_layer_kinds(
     """
     layer_types = validate_layer_types(layer_types, _REGISTRY)
     include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
-    kinds = kinds_for(layer_types)
-    found = {name: (m, kinds_of(m, kinds)) for name, m in model.named_modules()}
+    kinds, known = kinds_for(layer_types), list(_REGISTRY.values())
+    # what each module is (its most specific kinds), then whether layer_types wants that
+    found = {name: (m, [k for k in kinds_of(m, known) if k in kinds]) for name, m in model.named_modules()}
     candidates = {name: m for name, (m, ks) in found.items() if ks}
     kept = filter_by_name(candidates, layer_types, include, exclude)
     return {name + kind.suffix: (m, kind) for name, m in kept.items() for kind in found[name][1]}

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics_dtype
 from lightning_bnp.core.transform import precondition_
@@ -119,8 +120,6 @@ def make_layers(
     Raises:
         ValueError: two modules share a weight but not their bias (P couples a weight with its bias).
     """
-    from lightning_bnp.core.kinds import kinds_of, layer_kinds  # kinds.py imports weight_leaf from here
-
     layers: dict[tuple[int, str], _Layer] = {}
     for name, (module, kind) in selected.items():
         kind = kind.configure(conv_statistics=conv_statistics)
@@ -136,19 +135,19 @@ def make_layers(
                 f"Exclude one of them with `exclude`, e.g. exclude=[{name!r}]."
             )
         layer.tied[name] = module
-    managed = {id(layer.kind.weight(m)): layer.name for layer in layers.values() for m in layer.modules.values()}
+    managed = {id(layer.weight): layer.name for layer in layers.values()}
     modules = {id(m) for layer in layers.values() for m in layer.modules.values()}
-    known = list(layer_kinds().values())
-    for name, module in model.named_modules():
-        if id(module) in modules:
+    for name, module in model.named_modules():  # any other module holding a managed weight (e.g. a tied embedding)
+        if id(module) in modules or isinstance(module, parametrize.ParametrizationList):
             continue
-        for kind in kinds_of(module, known):
-            owner = managed.get(id(kind.weight(module)))
+        for parameter in module._parameters.values():
+            owner = managed.get(id(parameter))
             if owner is not None:
                 warnings.warn(
-                    f"BNP layer {owner!r} shares its weight with {name!r}, which BNP does not manage: the "
-                    f"shared gradient includes {name!r}'s contribution but P is built from {owner!r}'s "
-                    f"inputs only. Manage both (they are then pooled as one layer) or exclude both.",
+                    f"BNP layer {owner!r} shares its weight with {name!r} ({type(module).__name__}), which BNP does "
+                    f"not manage: the shared gradient includes {name!r}'s contribution but P is built from "
+                    f"{owner!r}'s inputs only. Manage both (they are then pooled as one layer) or exclude both "
+                    f"(exclude={[owner]!r} when {name!r} is of a type BNP does not know).",
                     BNPWarning,
                     stacklevel=4,
                 )

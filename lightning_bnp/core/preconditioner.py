@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
+from lightning_bnp.core.coverage import Coverage, coverage
 from lightning_bnp.core.kinds import layer_kinds, select_layer_kinds
 from lightning_bnp.core.layers import BNPWarning, StepTransform, _Layer, make_layers
 from lightning_bnp.core.layout import FeatureLayout
@@ -245,6 +246,7 @@ class BNPPreconditioner(ArgumentsRepr):
             model, selected, rho=rho, bias_correction=bias_correction, conv_statistics=conv_statistics
         )
         self._layer_list = list(self.layers.values())
+        self.coverage: Coverage = coverage(model, self._layer_list, layer_types, include, exclude)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._collecting = True
         self._generation = 0  # bumped by detach(): forwards from before it never count
@@ -302,6 +304,18 @@ class BNPPreconditioner(ArgumentsRepr):
                 owner = _OWNERS.get(module)
                 if owner is not None and owner() is self:
                     del _OWNERS[module]
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Every weight matrix (parameter with ≥ 2 dimensions, by ``named_parameters()`` name) of the model that
+        BNP will not transform, with the reason (an unknown layer type, frozen, excluded, used through
+        ``F.linear``, reparametrized, an embedding …), as found at construction; trainable ones first."""
+        return dict(self.coverage.skipped)
+
+    def report(self, limit: int = 5) -> str:
+        """How many of the model's trainable weight matrices BNP transforms, and the first ``limit`` it leaves
+        alone with their reasons (all of them in :attr:`skipped`)."""
+        return self.coverage.summary(limit)
 
     @property
     def attached(self) -> bool:
