@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_bnp import LayerKind, register_layer_kind
-from tests.helpers import make_mlp
+from tests.helpers import BoringClassifier, make_mlp
 
 
 class TransposedLinear(nn.Module):
@@ -67,3 +67,10 @@ def as_linear_parameters(params: dict[str, Tensor], model: nn.Module) -> dict[st
     """Parameters of a :class:`TransposedLinear` model named as the ``nn.Linear`` twin's (weights transposed)."""
     kinds = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, TransposedLinear)}
     return {k: (v.t() if k in kinds else v) for k, v in params.items()}
+
+
+class TransposedClassifier(BoringClassifier):
+    """:class:`~tests.helpers.BoringClassifier` on :func:`make_transposed_mlp` (no arguments: LightningCLI builds it)."""
+
+    def __init__(self) -> None:
+        super().__init__(make_transposed_mlp(), momentum=0.9)
