@@ -70,7 +70,7 @@ def as_linear_parameters(params: dict[str, Tensor], model: nn.Module) -> dict[st
 
 
 class TransposedClassifier(BoringClassifier):
-    """:class:`~tests.helpers.BoringClassifier` on :func:`make_transposed_mlp` (no arguments: LightningCLI builds it)."""
+    """``BoringClassifier`` on :func:`make_transposed_mlp`, without arguments (LightningCLI builds it)."""
 
     def __init__(self) -> None:
         super().__init__(make_transposed_mlp(), momentum=0.9)

@@ -64,8 +64,9 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             σ² = 1, exactly Alg. 2/3; ``True`` divides them by 1 − ρ^t (Adam-style) so that P uses the
             data's statistics from the first step (see the README and ``benchmarks/RESULTS.md`` §5 for
             the evidence behind the default).
-        layer_types: layer classes to manage, from ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d``
-            (default: all four; ``None`` means the same).
+        layer_types: layer kinds to manage, from ``Linear`` (with its family: GPT-2's ``transformers.Conv1D``),
+            ``Conv1d``, ``Conv2d``, ``Conv3d`` (default: all four; ``None`` means the same) and any name registered
+            with ``lightning_bnp.register_layer_kind``.
         include: glob patterns of module names to manage (default: every layer of those types); a
             bare string is one pattern (``include: net.0`` in YAML means ``["net.0"]``).
         exclude: glob patterns of module names to leave alone (a bare string is one pattern).

@@ -34,8 +34,8 @@ from torch import Tensor, nn
 
 from lightning_bnp.core.layers import weight_leaf
 from lightning_bnp.core.selection import filter_by_name, validate_layer_types
-from lightning_bnp.core.validation import check_patterns
 from lightning_bnp.core.statistics import Moments, column_moments_of_input, feature_moments, moments_of_input
+from lightning_bnp.core.validation import check_patterns
 
 __all__ = [
     "LINEAR_FAMILY",
@@ -113,7 +113,7 @@ class LayerKind:
         parametrizations = module._modules.get("parametrizations")
         if isinstance(parametrizations, nn.ModuleDict) and self.weight_name in parametrizations:
             return parametrizations[self.weight_name].original  # type: ignore[return-value]
-        return getattr(module, self.weight_name)  # type: ignore[no-any-return]
+        return getattr(module, self.weight_name)
 
     def bias(self, module: nn.Module) -> Tensor | None:
         """The bias the input's rows feed, or ``None``."""
@@ -180,7 +180,7 @@ class ConvNdKind(LayerKind):
         self.name = name  # type: ignore[misc]
         self.module_type = module_type  # type: ignore[misc]
         self.columns = columns
-        self.moments = column_moments_of_input if columns else moments_of_input  # type: ignore[method-assign]
+        self.moments = column_moments_of_input if columns else moments_of_input  # type: ignore[method-assign,assignment]
 
     def configure(self, **options: Any) -> LayerKind:
         columns = options.get("conv_statistics", "channel") == "column"

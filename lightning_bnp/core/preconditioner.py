@@ -164,7 +164,7 @@ def _accumulator_states(after: Tensor, layout: FeatureLayout, steps: list[int]) 
 
 
 class BNPPreconditioner(ArgumentsRepr):
-    """BNP gradient preconditioner for a model's Linear and ConvNd layers.
+    """BNP gradient preconditioner for a model's Linear and ConvNd layers (and any registered layer kind).
 
     Args:
         model: the network; hooks are registered on its selected layers.
@@ -177,7 +177,9 @@ class BNPPreconditioner(ArgumentsRepr):
             ~1/(1−ρ) steps like a learning-rate warm-up. The paper's start is the default because the
             bias-corrected one diverges at the paper's learning rate on the CNN
             (``benchmarks/RESULTS.md`` §5).
-        layer_types: which of ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d`` to manage.
+        layer_types: which layer kinds to manage: ``Linear`` (with its family: GPT-2's
+            ``transformers.Conv1D``), ``Conv1d``, ``Conv2d``, ``Conv3d``, or any name registered with
+            :func:`~lightning_bnp.core.kinds.register_layer_kind`.
         include: glob patterns of layer names to manage (all when ``None``); a bare string is one pattern.
         exclude: glob patterns of layer names to leave alone (a bare string is one pattern).
         sync_statistics: under an initialised ``torch.distributed`` with several processes, pool

@@ -211,7 +211,8 @@ def gpt2_pair() -> tuple[nn.Module, nn.Module]:
 
 def test_gpt2_conv1d_layers_are_all_transformed_and_equal_bnp_on_nn_linear() -> None:
     model, twin = gpt2_pair()
-    projections = [f"transformer.h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    names = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    projections = [f"transformer.h.{i}.{name}" for i in range(2) for name in names]
     results = []
     for net in (model, twin):
         with pytest.warns(BNPWarning, match=r"'lm_head' shares its weight with 'transformer.wte' \(Embedding\)"):
