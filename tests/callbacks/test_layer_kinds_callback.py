@@ -14,7 +14,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_bnp import BatchNormPreconditioning
+from lightning_bnp import BatchNormPreconditioning, ZSpaceRegularization
 from tests.helpers import BoringClassifier, _fit, make_data, make_mlp
 from tests.transposed import TransposedClassifier, TransposedLinear, as_linear_parameters, make_transposed_mlp
 
@@ -39,6 +39,25 @@ def test_callback_on_a_registered_kind_equals_the_nn_linear_twin(tmp_path: Path)
     for name, layer in linear_state["layers"].items():
         assert state["layers"][name]["steps"] == layer["steps"] == 6
         torch.testing.assert_close(state["layers"][name]["var_acc"], layer["var_acc"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "regularization", [{"weight_decay": 0.05}, {"weight_decay": 0.05, "decay_space": "p"}, {"gradient_penalty": 0.1}]
+)
+def test_z_space_regularization_maps_a_registered_kinds_vectors_through_its_rows(
+    tmp_path: Path, regularization: dict[str, float]
+) -> None:
+    """z-space weight decay and gradient penalty apply BNP's M to weight-shaped vectors (and the bias part of
+    ∇_z λ‖z_w‖² from the weight's rows): a weight stored transposed must give the nn.Linear twin's result."""
+    data = make_data(n=48)
+    runs = []
+    for make in (make_mlp, make_transposed_mlp):
+        model = BoringClassifier(make(), momentum=0.9)
+        callbacks = [BatchNormPreconditioning(), ZSpaceRegularization(**regularization)]  # type: ignore[arg-type]
+        _fit(tmp_path, model, data, batch_size=16, callbacks=callbacks, max_steps=3)
+        runs.append(as_linear_parameters(parameters(model), model))
+    for name, value in runs[0].items():
+        torch.testing.assert_close(runs[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_a_registered_kind_resumes_from_a_checkpoint_bit_identically(tmp_path: Path) -> None:
