@@ -41,6 +41,10 @@ def weight_leaf(module: nn.Module) -> Tensor:
     return weight if weight is not None else module.weight  # type: ignore[return-value]
 
 
+def _as_is(tensor: Tensor) -> Tensor:
+    return tensor
+
+
 @dataclass
 class StepTransform:
     """The factors of M = (1/q²)·P·Pᵀ that one layer used in the latest step (so that other
@@ -51,8 +55,8 @@ class StepTransform:
     q2: float
     groups: int
     # a weight- / bias-shaped tensor as the layer's rows (its kind's view: e.g. transposed, or a row block)
-    rows: Callable[[Tensor], Tensor] = field(default=lambda t: t, repr=False)
-    bias_rows: Callable[[Tensor], Tensor] = field(default=lambda t: t, repr=False)
+    rows: Callable[[Tensor], Tensor] = field(default=_as_is, repr=False)
+    bias_rows: Callable[[Tensor], Tensor] = field(default=_as_is, repr=False)
 
     def apply_(self, vec_w: Tensor, vec_b: Tensor | None) -> None:
         """vec ← M·vec in place (``vec_w`` shaped like the weight, ``vec_b`` like the bias); ``vec_b`` is ignored

@@ -4,6 +4,7 @@ equivalent ``nn.Linear``; GPT-2's own ``Conv1D`` out of the box; and what BNP le
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -239,3 +240,13 @@ def test_gpt2_conv1d_layers_are_all_transformed_and_equal_bnp_on_nn_linear() -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BNPWarning)
         assert len(BNPPreconditioner(model, layer_types="transformers.Conv1D").layers) == 8
+
+
+def test_the_conv1d_kind_does_not_import_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2's Conv1D kind is resolved from ``sys.modules``: a model can only hold a Conv1D once the user has
+    imported ``transformers.pytorch_utils``, and BNP never imports it (``transformers`` is not a dependency)."""
+    monkeypatch.delitem(sys.modules, "transformers.pytorch_utils", raising=False)
+    kind = layer_kinds()["transformers.Conv1D"]
+    assert kind.module_types() == ()
+    BNPPreconditioner(nn.Linear(2, 2), layer_types=["Linear", "transformers.Conv1D"]).detach()
+    assert "transformers.pytorch_utils" not in sys.modules
