@@ -90,6 +90,15 @@ class LayerKind:
     dense: ClassVar[bool] = True
     #: preconditioner options that shape this kind's statistics (saved with the state when such a layer exists)
     options: ClassVar[tuple[str, ...]] = ()
+    #: set per class: :meth:`rows`, :meth:`bias_rows` and :meth:`input` are the defaults (the step and the
+    #: forward hook then skip calling them: they run for every layer every step)
+    same_rows: ClassVar[bool] = True
+    default_input: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.same_rows = cls.rows is LayerKind.rows and cls.bias_rows is LayerKind.bias_rows
+        cls.default_input = cls.input is LayerKind.input
 
     def module_types(self) -> tuple[type[nn.Module], ...]:
         """The classes this kind applies to now (a kind may resolve them lazily, see
@@ -160,6 +169,7 @@ class LinearKind(LayerKind):
     name = "Linear"
     module_type = nn.Linear
     family = LINEAR_FAMILY
+    weight = staticmethod(weight_leaf)  # the same call, one frame less
 
     def features(self, module: nn.Module) -> int:
         return int(module.in_features)  # type: ignore[arg-type]
@@ -175,6 +185,7 @@ class ConvNdKind(LayerKind):
 
     dense = False
     options = ("conv_statistics",)
+    weight = staticmethod(weight_leaf)
 
     def __init__(self, name: str, module_type: type[nn.Module], *, columns: bool = False) -> None:
         self.name = name  # type: ignore[misc]

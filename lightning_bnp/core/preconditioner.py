@@ -334,13 +334,16 @@ class BNPPreconditioner(ArgumentsRepr):
 
     def _make_hook(self, layer: _Layer) -> Any:
         kind = layer.kind
-        moments, layer_input = kind.moments, kind.input
+        moments, layer_input, default_input, input_name = kind.moments, kind.input, kind.default_input, kind.input_name
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             # statistics only from training forward passes that build a graph for a gradient
             if not (self._collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad):
                 return
-            h = layer_input(module, args, kwargs)
+            if default_input:  # forward(input): inline, as it runs at every forward call
+                h = args[0] if args else kwargs.get(input_name)
+            else:
+                h = layer_input(module, args, kwargs)
             if not isinstance(h, Tensor) or not isinstance(output, Tensor):
                 return
             if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
@@ -447,13 +450,15 @@ class BNPPreconditioner(ArgumentsRepr):
         grads_b: list[Tensor | None] = []
         q2s, groups = [], []
         for layer, m, _ in ready:
-            grad_b = layer.bias.grad if layer.has_bias else None  # type: ignore[union-attr]
-            grads_b.append(None if grad_b is None else layer.bias_rows(grad_b))
+            kind = layer.kind
+            grad_b = kind.bias(layer.module).grad if layer.has_bias else None  # type: ignore[union-attr]
+            grads_b.append(grad_b if grad_b is None or kind.same_rows else kind.bias_rows(layer.module, grad_b))
             q2s.append(q_squared(layer.fan_in, m.samples, m.out_positions / m.samples))
             groups.append(layer.groups)
         mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
         scales = layout.split(var_t * layout.per_layer_cached(q2s))  # q²σ̃², all layers in one product
-        precondition_scaled_([layer.rows(grad) for layer, _, grad in ready], grads_b, mus, scales, q2s, groups)
+        grads_w = [grad if layer.kind.same_rows else layer.rows(grad) for layer, _, grad in ready]
+        precondition_scaled_(grads_w, grads_b, mus, scales, q2s, groups)
         for (layer, _, grad_w), mu_l, var_t_l, q2 in zip(ready, mus, layout.split(var_t), q2s):
             layer.transform = StepTransform(mu_l, var_t_l, q2, layer.groups, layer.rows, layer.bias_rows)
             layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)
