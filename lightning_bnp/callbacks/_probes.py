@@ -209,7 +209,7 @@ def neuron_p(pre: BNPPreconditioner, layer: _Layer, index: int, *, centred: bool
     P = diag(1/σ̃), the block the transform applies to such a layer.
     """
     mu, var_t = statistics(pre, layer)
-    out = layer.module.weight.shape[0]  # type: ignore[index]
+    out = layer.rows(layer.weight).shape[0]
     per_group = layer.features // layer.groups
     group = index // (out // layer.groups)
     sl = slice(group * per_group, (group + 1) * per_group)

@@ -64,14 +64,17 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             σ² = 1, exactly Alg. 2/3; ``True`` divides them by 1 − ρ^t (Adam-style) so that P uses the
             data's statistics from the first step (see the README and ``benchmarks/RESULTS.md`` §5 for
             the evidence behind the default).
-        layer_types: layer classes to manage, from ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d``
-            (default: all four; ``None`` means the same).
+        layer_types: layer kinds to manage, from ``Linear`` (with its family: GPT-2's ``transformers.Conv1D``),
+            ``Conv1d``, ``Conv2d``, ``Conv3d`` (default: all four; ``None`` means the same) and any name registered
+            with ``lightning_bnp.register_layer_kind``.
         include: glob patterns of module names to manage (default: every layer of those types); a
             bare string is one pattern (``include: net.0`` in YAML means ``["net.0"]``).
         exclude: glob patterns of module names to leave alone (a bare string is one pattern).
         sync_statistics: under DDP, pool each step's statistics over all ranks (one collective)
             so that every rank applies the same preconditioner to the all-reduced gradient.
-        verbose: at setup, say on rank zero which layers BNP manages (one line).
+        verbose: at setup, say on rank zero which layers BNP manages (one line), and, when it leaves some of
+            the model's weight matrices alone, how many it transforms and which it does not, with the reason
+            (``BNPPreconditioner.report()``, ``.skipped``).
         conv_statistics: a convolution's μ, σ² per input channel (``"channel"``, the default: eqs. 21–22,
             the paper's implementation of Alg. 3, one value per channel repeated over the kernel offsets) or
             exactly per im2col column (``"column"``: eqs. 19–20, one value per input channel and kernel
@@ -155,7 +158,8 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             self._model = pl_module
             if self.verbose:
                 names = list(self.preconditioner.layers)
-                rank_zero_info(f"BatchNormPreconditioning: BNP manages {len(names)} layers: {names}")
+                report = "" if not self.preconditioner.skipped else f"; {self.preconditioner.report()}"
+                rank_zero_info(f"BatchNormPreconditioning: BNP manages {len(names)} layers: {names}{report}")
         self.preconditioner.attach()
         if self._loaded_state is not None:
             self.preconditioner.load_state_dict(self._loaded_state)
@@ -221,7 +225,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         if not isinstance(batch_size, int) or getattr(batch_sampler, "drop_last", True) or sampler is None:
             return
         if self.preconditioner._distributed() or not any(
-            isinstance(layer.module, torch.nn.Linear) for layer in self.preconditioner.layers.values()
+            layer.kind.dense for layer in self.preconditioner.layers.values()
         ):
             return  # pooled over ranks, or conv layers only (rows = batch × positions)
         samples, batches = len(sampler), trainer.num_training_batches

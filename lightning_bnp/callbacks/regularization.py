@@ -224,7 +224,10 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
                 for weight_id, (layer, transform) in transforms.items():
                     bias = layer.bias
                     if weight_id in decay and transform.mu is not None and bias is not None and id(bias) not in decay:
-                        decay[id(bias)] = z_weight_decay_(decay[weight_id], transform.mu, transform.groups)
+                        # in the layer's (out, …) rows (a weight stored transposed: its kind's view)
+                        decay[id(bias)] = z_weight_decay_(
+                            transform.rows(decay[weight_id]), transform.mu, transform.groups
+                        )
             elif self.decay_space == "p":
                 for layer, _ in transforms.values():  # an excluded bias still receives M's mixing of w
                     if layer.bias is not None and id(layer.bias) not in decay and layer.bias.grad is not None:

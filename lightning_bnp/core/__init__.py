@@ -1,5 +1,6 @@
 """Pure-torch core of lightning_bnp; never imports Lightning."""
 
+from lightning_bnp.core.kinds import LayerKind, register_layer_kind
 from lightning_bnp.core.preconditioner import BNPPreconditioner, BNPWarning, PendingUpdate
 from lightning_bnp.core.statistics import Moments, RunningStatistics
 from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
@@ -7,10 +8,12 @@ from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
 __all__ = [
     "BNPPreconditioner",
     "BNPWarning",
+    "LayerKind",
     "Moments",
     "PendingUpdate",
     "RunningStatistics",
     "precondition_",
     "q_squared",
+    "register_layer_kind",
     "var_tilde",
 ]

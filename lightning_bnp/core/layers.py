@@ -6,16 +6,21 @@ is: their forward calls feed one set of statistics and the shared gradient is tr
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics_dtype
 from lightning_bnp.core.transform import precondition_
+
+if TYPE_CHECKING:
+    from lightning_bnp.core.kinds import LayerKind
 
 __all__ = ["BNPWarning", "StepTransform", "make_layers", "weight_leaf"]
 
@@ -36,6 +41,10 @@ def weight_leaf(module: nn.Module) -> Tensor:
     return weight if weight is not None else module.weight  # type: ignore[return-value]
 
 
+def _as_is(tensor: Tensor) -> Tensor:
+    return tensor
+
+
 @dataclass
 class StepTransform:
     """The factors of M = (1/q²)·P·Pᵀ that one layer used in the latest step (so that other
@@ -45,10 +54,15 @@ class StepTransform:
     var_t: Tensor
     q2: float
     groups: int
+    # a weight- / bias-shaped tensor as the layer's rows (its kind's view: e.g. transposed, or a row block)
+    rows: Callable[[Tensor], Tensor] = field(default=_as_is, repr=False)
+    bias_rows: Callable[[Tensor], Tensor] = field(default=_as_is, repr=False)
 
     def apply_(self, vec_w: Tensor, vec_b: Tensor | None) -> None:
-        """vec ← M·vec in place; ``vec_b`` is ignored (may be None) when there is no centring block."""
-        precondition_(vec_w, vec_b if self.mu is not None else None, self.mu, self.var_t, self.q2, self.groups)
+        """vec ← M·vec in place (``vec_w`` shaped like the weight, ``vec_b`` like the bias); ``vec_b`` is ignored
+        (may be None) when there is no centring block."""
+        vec_b = self.bias_rows(vec_b) if vec_b is not None and self.mu is not None else None
+        precondition_(self.rows(vec_w), vec_b, self.mu, self.var_t, self.q2, self.groups)
 
 
 @dataclass
@@ -60,7 +74,7 @@ class _Layer:
     fan_in: int  # weight[0].numel(): c_in/groups · kernel volume, or in_features
     features: int  # length of μ: in_features, c_in, or c_in · kernel volume (per-column statistics)
     running: RunningStatistics
-    columns: bool  # per im2col column statistics (a ConvNd under conv_statistics="column")
+    kind: LayerKind  # what its input is, which rows of which weight it feeds, how its input is reduced
     moments: Moments | None = None
     transform: StepTransform | None = None  # what the latest step applied
     tied: dict[str, nn.Module] = field(default_factory=dict)  # other modules sharing this weight
@@ -76,7 +90,7 @@ class _Layer:
     def weight(self) -> Tensor:
         """:func:`weight_leaf` of the module, looked up at use time, so a parametrization registered
         after BNP's setup is followed."""
-        return weight_leaf(self.module)
+        return self.kind.weight(self.module)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -85,65 +99,69 @@ class _Layer:
 
     @property
     def bias(self) -> Tensor | None:
-        parameters = self.module._parameters  # as in weight_leaf: not through __getattr__
-        return parameters["bias"] if "bias" in parameters else self.module.bias  # type: ignore[return-value]
+        return self.kind.bias(self.module)
+
+    def rows(self, weight_like: Tensor) -> Tensor:
+        """A weight-shaped tensor (e.g. the gradient) as this layer's (out, …) rows: a view."""
+        return self.kind.rows(self.module, weight_like)
+
+    def bias_rows(self, bias_like: Tensor) -> Tensor:
+        return self.kind.bias_rows(self.module, bias_like)
 
 
 def make_layers(
     model: nn.Module,
-    selected: dict[str, nn.Module],
+    selected: dict[str, tuple[nn.Module, LayerKind]],
     *,
     rho: float,
     bias_correction: bool,
     conv_statistics: str = "channel",
 ) -> dict[str, _Layer]:
-    """One :class:`_Layer` per distinct weight of the ``selected`` modules: modules sharing a weight are one
-    layer (pooled like one module called twice). ``conv_statistics="column"``: convolutions keep one
+    """One :class:`_Layer` per distinct (weight, kind) of the ``selected`` modules: modules sharing a weight are
+    one layer (pooled like one module called twice). ``conv_statistics="column"``: convolutions keep one
     statistic per im2col column (input channel, kernel offset) instead of one per input channel.
 
     Raises:
         ValueError: two modules share a weight but not their bias (P couples a weight with its bias).
     """
-    layers: dict[int, _Layer] = {}
-    for name, module in selected.items():
-        weight = weight_leaf(module)
-        if id(weight) not in layers:
-            layers[id(weight)] = _make_layer(name, module, rho, bias_correction, conv_statistics == "column")
+    layers: dict[tuple[int, str], _Layer] = {}
+    for name, (module, kind) in selected.items():
+        kind = kind.configure(conv_statistics=conv_statistics)
+        key = (id(kind.weight(module)), kind.name)
+        if key not in layers:
+            layers[key] = _make_layer(name, module, kind, rho, bias_correction)
             continue
-        layer = layers[id(weight)]
-        if module.bias is not layer.module.bias:
+        layer = layers[key]
+        if kind.bias(module) is not layer.bias:
             raise ValueError(
                 f"layers {layer.name!r} and {name!r} share one weight but not their bias; BNP's P couples "
                 "a weight with its bias (eq. 15), so a shared weight needs a shared bias (or none). "
                 f"Exclude one of them with `exclude`, e.g. exclude=[{name!r}]."
             )
         layer.tied[name] = module
-    managed = {id(weight_leaf(m)): layer.name for layer in layers.values() for m in layer.modules.values()}
-    for name, module in model.named_modules():
-        if name not in selected and isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
-            owner = managed.get(id(weight_leaf(module)))
+    managed = {id(layer.weight): layer.name for layer in layers.values()}
+    modules = {id(m) for layer in layers.values() for m in layer.modules.values()}
+    for name, module in model.named_modules():  # any other module holding a managed weight (e.g. a tied embedding)
+        if id(module) in modules or isinstance(module, parametrize.ParametrizationList):
+            continue
+        for parameter in module._parameters.values():
+            owner = managed.get(id(parameter))
             if owner is not None:
                 warnings.warn(
-                    f"BNP layer {owner!r} shares its weight with {name!r}, which BNP does not manage: the "
-                    f"shared gradient includes {name!r}'s contribution but P is built from {owner!r}'s "
-                    f"inputs only. Manage both (they are then pooled as one layer) or exclude both.",
+                    f"BNP layer {owner!r} shares its weight with {name!r} ({type(module).__name__}), which BNP does "
+                    f"not manage: the shared gradient includes {name!r}'s contribution but P is built from "
+                    f"{owner!r}'s inputs only. Manage both (they are then pooled as one layer) or exclude both "
+                    f"(exclude={[owner]!r} when {name!r} is of a type BNP does not know).",
                     BNPWarning,
                     stacklevel=4,
                 )
     return {layer.name: layer for layer in layers.values()}
 
 
-def _make_layer(name: str, module: nn.Module, rho: float, bias_correction: bool, columns: bool) -> _Layer:
-    weight: Tensor = module.weight  # type: ignore[assignment]  # shape and dtype only
-    bias = module.bias
-    if isinstance(module, nn.Linear):
-        groups, features, columns = 1, module.in_features, False
-    else:
-        assert isinstance(module, nn.modules.conv._ConvNd)
-        groups, features = module.groups, module.in_channels
-        if columns:
-            features *= math.prod(module.kernel_size)
+def _make_layer(name: str, module: nn.Module, kind: LayerKind, rho: float, bias_correction: bool) -> _Layer:
+    weight = kind.weight(module)  # shape and dtype only
+    features = kind.features(module)
     dtype = statistics_dtype(weight.dtype)
     running = RunningStatistics(features, rho=rho, bias_correction=bias_correction, device=weight.device, dtype=dtype)
-    has_bias = isinstance(bias, Tensor)
-    return _Layer(name, module, has_bias, groups, weight[0].numel(), features, running, columns)
+    has_bias = kind.bias(module) is not None
+    return _Layer(name, module, has_bias, kind.groups(module), kind.fan_in(module), features, running, kind)

@@ -57,16 +57,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
+from lightning_bnp.core.coverage import Coverage, coverage
+from lightning_bnp.core.kinds import layer_kinds, select_layer_kinds
 from lightning_bnp.core.layers import BNPWarning, StepTransform, _Layer, make_layers
 from lightning_bnp.core.layout import FeatureLayout
-from lightning_bnp.core.selection import select_layers, validate_layer_types
-from lightning_bnp.core.statistics import (
-    Moments,
-    RunningStatistics,
-    column_moments_of_input,
-    ema_update,
-    moments_of_input,
-)
+from lightning_bnp.core.selection import validate_layer_types
+from lightning_bnp.core.statistics import Moments, RunningStatistics, ema_update
 from lightning_bnp.core.transform import precondition_scaled_, q_squared, var_tilde
 from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_patterns
 
@@ -117,7 +113,11 @@ def validate_bnp_arguments(
     check_bool("bias_correction", bias_correction)
     check_bool("sync_statistics", sync_statistics)
     check_choice("conv_statistics", conv_statistics, ("channel", "column"))
-    return validate_layer_types(layer_types), check_patterns("include", include), check_patterns("exclude", exclude)
+    return (
+        validate_layer_types(layer_types, layer_kinds()),
+        check_patterns("include", include),
+        check_patterns("exclude", exclude),
+    )
 
 
 @dataclass
@@ -164,7 +164,7 @@ def _accumulator_states(after: Tensor, layout: FeatureLayout, steps: list[int]) 
 
 
 class BNPPreconditioner(ArgumentsRepr):
-    """BNP gradient preconditioner for a model's Linear and ConvNd layers.
+    """BNP gradient preconditioner for a model's Linear and ConvNd layers (and any registered layer kind).
 
     Args:
         model: the network; hooks are registered on its selected layers.
@@ -177,7 +177,9 @@ class BNPPreconditioner(ArgumentsRepr):
             ~1/(1−ρ) steps like a learning-rate warm-up. The paper's start is the default because the
             bias-corrected one diverges at the paper's learning rate on the CNN
             (``benchmarks/RESULTS.md`` §5).
-        layer_types: which of ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d`` to manage.
+        layer_types: which layer kinds to manage: ``Linear`` (with its family: GPT-2's
+            ``transformers.Conv1D``), ``Conv1d``, ``Conv2d``, ``Conv3d``, or any name registered with
+            :func:`~lightning_bnp.core.kinds.register_layer_kind`.
         include: glob patterns of layer names to manage (all when ``None``); a bare string is one pattern.
         exclude: glob patterns of layer names to leave alone (a bare string is one pattern).
         sync_statistics: under an initialised ``torch.distributed`` with several processes, pool
@@ -241,11 +243,12 @@ class BNPPreconditioner(ArgumentsRepr):
         self.bias_correction = bias_correction
         self.sync_statistics = sync_statistics
         self.process_group = process_group
-        selected = select_layers(model, layer_types, include, exclude)
+        selected = select_layer_kinds(model, layer_types, include, exclude)
         self.layers: dict[str, _Layer] = make_layers(
             model, selected, rho=rho, bias_correction=bias_correction, conv_statistics=conv_statistics
         )
         self._layer_list = list(self.layers.values())
+        self.coverage: Coverage = coverage(model, self._layer_list, layer_types, include, exclude)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._collecting = True
         self._generation = 0  # bumped by detach(): forwards from before it never count
@@ -305,6 +308,18 @@ class BNPPreconditioner(ArgumentsRepr):
                     del _OWNERS[module]
 
     @property
+    def skipped(self) -> dict[str, str]:
+        """Every weight matrix (parameter with ≥ 2 dimensions, by ``named_parameters()`` name) of the model that
+        BNP will not transform, with the reason (an unknown layer type, frozen, excluded, used through
+        ``F.linear``, reparametrized, an embedding …), as found at construction; trainable ones first."""
+        return dict(self.coverage.skipped)
+
+    def report(self, limit: int = 5) -> str:
+        """How many of the model's trainable weight matrices BNP transforms, and the first ``limit`` it leaves
+        alone with their reasons (all of them in :attr:`skipped`)."""
+        return self.coverage.summary(limit)
+
+    @property
     def attached(self) -> bool:
         return bool(self._handles)
 
@@ -318,13 +333,17 @@ class BNPPreconditioner(ArgumentsRepr):
             self._collecting = previous
 
     def _make_hook(self, layer: _Layer) -> Any:
-        moments = column_moments_of_input if layer.columns else moments_of_input
+        kind = layer.kind
+        moments, layer_input, default_input, input_name = kind.moments, kind.input, kind.default_input, kind.input_name
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             # statistics only from training forward passes that build a graph for a gradient
             if not (self._collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad):
                 return
-            h = args[0] if args else kwargs.get("input")  # nn.Linear / _ConvNd: forward(input)
+            if default_input:  # forward(input): inline, as it runs at every forward call
+                h = args[0] if args else kwargs.get(input_name)
+            else:
+                h = layer_input(module, args, kwargs)
             if not isinstance(h, Tensor) or not isinstance(output, Tensor):
                 return
             if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
@@ -428,16 +447,20 @@ class BNPPreconditioner(ArgumentsRepr):
         layout = self._layout([layer for layer, _, _ in ready], ready[0][1].mean)
         mu, var = self._statistics_for_step(ready, layout, pending)
         var_t = var_tilde(var, self.eps1, self.eps2, maxima=layout.layer_max(var))
-        grads_b, q2s, groups = [], [], []
+        grads_b: list[Tensor | None] = []
+        q2s, groups = [], []
         for layer, m, _ in ready:
-            grads_b.append(layer.bias.grad if layer.has_bias else None)  # type: ignore[union-attr]
+            kind = layer.kind
+            grad_b = kind.bias(layer.module).grad if layer.has_bias else None  # type: ignore[union-attr]
+            grads_b.append(grad_b if grad_b is None or kind.same_rows else kind.bias_rows(layer.module, grad_b))
             q2s.append(q_squared(layer.fan_in, m.samples, m.out_positions / m.samples))
             groups.append(layer.groups)
         mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
         scales = layout.split(var_t * layout.per_layer_cached(q2s))  # q²σ̃², all layers in one product
-        precondition_scaled_([grad for _, _, grad in ready], grads_b, mus, scales, q2s, groups)
+        grads_w = [grad if layer.kind.same_rows else layer.rows(grad) for layer, _, grad in ready]
+        precondition_scaled_(grads_w, grads_b, mus, scales, q2s, groups)
         for (layer, _, grad_w), mu_l, var_t_l, q2 in zip(ready, mus, layout.split(var_t), q2s):
-            layer.transform = StepTransform(mu_l, var_t_l, q2, layer.groups)
+            layer.transform = StepTransform(mu_l, var_t_l, q2, layer.groups, layer.rows, layer.bias_rows)
             layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)
 
     def _layout(self, layers: list[_Layer], like: Tensor) -> FeatureLayout:
@@ -584,7 +607,7 @@ class BNPPreconditioner(ArgumentsRepr):
             "statistics": self.statistics,
             "bias_correction": self.bias_correction,
         }
-        if any(isinstance(layer.module, nn.modules.conv._ConvNd) for layer in self._layer_list):
+        if any("conv_statistics" in layer.kind.options for layer in self._layer_list):
             settings["conv_statistics"] = self.conv_statistics
         return settings
 

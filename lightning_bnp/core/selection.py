@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from fnmatch import fnmatchcase
 
 from torch import nn
 
 from lightning_bnp.core.validation import check_patterns, check_str_list
 
-__all__ = ["SUPPORTED_LAYER_TYPES", "select_layers", "validate_layer_types"]
+__all__ = ["SUPPORTED_LAYER_TYPES", "filter_by_name", "select_layers", "validate_layer_types"]
 
 SUPPORTED_LAYER_TYPES: dict[str, type[nn.Module]] = {
     "Linear": nn.Linear,
@@ -19,8 +19,9 @@ SUPPORTED_LAYER_TYPES: dict[str, type[nn.Module]] = {
 }
 
 
-def validate_layer_types(layer_types: Sequence[str] | str) -> list[str]:
-    """The type names as a list (a bare string is one name).
+def validate_layer_types(layer_types: Sequence[str] | str, supported: Collection[str] | None = None) -> list[str]:
+    """The type names as a list (a bare string is one name); ``supported``: the accepted names
+    (default: :data:`SUPPORTED_LAYER_TYPES`; BNP accepts every registered layer kind).
 
     Raises:
         TypeError: not a string or a list of strings.
@@ -29,9 +30,10 @@ def validate_layer_types(layer_types: Sequence[str] | str) -> list[str]:
     layer_types = check_str_list("layer_types", layer_types)
     if not layer_types:
         raise ValueError("`layer_types` must name at least one layer type, got []")
-    unknown = [t for t in layer_types if t not in SUPPORTED_LAYER_TYPES]
+    supported = SUPPORTED_LAYER_TYPES if supported is None else supported
+    unknown = [t for t in layer_types if t not in supported]
     if unknown:
-        raise ValueError(f"`layer_types` must be a subset of {sorted(SUPPORTED_LAYER_TYPES)}, got unknown {unknown}")
+        raise ValueError(f"`layer_types` must be a subset of {sorted(supported)}, got unknown {unknown}")
     return layer_types
 
 
@@ -59,6 +61,20 @@ def select_layers(
     include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
     types = tuple(SUPPORTED_LAYER_TYPES[t] for t in layer_types)
     candidates = {name: m for name, m in model.named_modules() if isinstance(m, types)}
+    return filter_by_name(candidates, layer_types, include, exclude)
+
+
+def filter_by_name(
+    candidates: dict[str, nn.Module],
+    layer_types: Sequence[str],
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+) -> dict[str, nn.Module]:
+    """The ``candidates`` (by module name) that ``include``/``exclude`` keep (validated patterns).
+
+    Raises:
+        ValueError: a pattern matches no candidate, or no candidate is left.
+    """
     for arg, patterns in (("include", include), ("exclude", exclude)):
         for pattern in patterns or ():
             if not any(fnmatchcase(name, pattern) for name in candidates):

@@ -34,6 +34,7 @@ __all__ = [
     "RunningStatistics",
     "column_moments_of_input",
     "ema_update",
+    "feature_moments",
     "moments_of_input",
     "statistics_dtype",
 ]
@@ -132,6 +133,20 @@ def moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
     samples = h.shape[0]
     mean, var = _per_channel_mean_var(h)
     return Moments(h.numel() // h.shape[1], samples, samples * math.prod(output.shape[2:]), mean, var)
+
+
+def feature_moments(h: Tensor) -> Moments:
+    """Statistics of a linear layer's input ``h`` (whatever its module): per feature (last dimension) over every
+    leading dimension, each row one sample (a (B, T, F) input gives B·T rows), as :func:`moments_of_input`
+    computes for ``nn.Linear``."""
+    h = h.detach()
+    if h.numel() == 0:  # an empty batch contributes nothing (the fused kernel refuses it)
+        return Moments.empty(h.shape[-1], h.device, statistics_dtype(h.dtype))
+    if h.dtype not in (torch.float32, torch.float64):
+        h = h.float()  # half / bfloat16 (autocast): statistics in float32
+    x = h.reshape(-1, h.shape[-1])
+    mean, var = _per_channel_mean_var(x)
+    return Moments(x.shape[0], x.shape[0], x.shape[0], mean, var)
 
 
 def column_moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:

@@ -22,8 +22,10 @@ from typing_extensions import override
 from lightning_bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.regularization import ZSpaceRegularization
 from tests.helpers import BoringClassifier, make_cnn, make_data, make_mlp
+from tests.transposed import make_transposed_mlp
 
-NETS = {"mlp": (make_mlp, (6,)), "cnn": (make_cnn, (2, 6, 6))}
+# "tmlp": the MLP with its linear layers stored (in, out), a user-registered layer kind (issue 29)
+NETS = {"mlp": (make_mlp, (6,)), "cnn": (make_cnn, (2, 6, 6)), "tmlp": (make_transposed_mlp, (6,))}
 
 
 class OrderedData(pl.LightningDataModule):

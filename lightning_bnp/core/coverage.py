@@ -1,0 +1,130 @@
+"""What BNP leaves alone: every weight matrix of a model that it will not transform, with the reason.
+
+A weight matrix is a parameter with two or more dimensions. :func:`coverage` sorts each one of a model into
+*transformed* (a managed layer's trainable weight whose gradient BNP preconditions) or *skipped*, with a
+reason a user can act on: a layer type BNP does not know (naming the module class; teach it with
+:func:`~lightning_bnp.core.kinds.register_layer_kind`), a type left out of ``layer_types``, a name that
+``include``/``exclude`` dropped, a frozen weight, a weight used through ``F.linear`` where the layer's forward
+never runs, a parametrization BNP does not follow, an embedding or positional parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from lightning_bnp.core.kinds import LayerKind, kinds_for, kinds_of, layer_kinds
+
+if TYPE_CHECKING:
+    from lightning_bnp.core.layers import _Layer
+
+__all__ = ["Coverage", "coverage"]
+
+_MHA_F_LINEAR = "nn.MultiheadAttention calls F.linear on it; not supported yet"
+_MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Which weight matrices (parameters with ≥ 2 dimensions) BNP transforms, and why it skips the others.
+
+    Attributes:
+        transformed: parameter names (``named_parameters()``) of the trainable weights BNP transforms.
+        skipped: parameter name → reason, for every other weight matrix (trainable ones first, then frozen).
+        trainable: how many weight matrices of the model are trainable.
+    """
+
+    transformed: tuple[str, ...]
+    skipped: dict[str, str] = field(default_factory=dict)
+    trainable: int = 0
+
+    def summary(self, limit: int = 5) -> str:
+        """One sentence: how many trainable weight matrices BNP transforms, and the first ``limit`` skipped ones
+        with their reasons, then a count."""
+        head = f"BNP transforms {len(self.transformed)} of the model's {self.trainable} trainable weight matrices"
+        if not self.skipped:
+            return head
+        items = [f"{name} ({reason})" for name, reason in list(self.skipped.items())[:limit]]
+        more = len(self.skipped) - len(items)
+        return f"{head}; it leaves alone {'; '.join(items)}" + (f"; and {more} more" if more else "")
+
+
+def coverage(
+    model: nn.Module,
+    layers: Sequence[_Layer],
+    layer_types: Sequence[str],
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+) -> Coverage:
+    """Sort every weight matrix of ``model`` into transformed or skipped (see the module docstring)."""
+    managed = {id(layer.weight): layer for layer in layers}
+    selected_kinds, known = kinds_for(layer_types), list(layer_kinds().values())
+    modules = dict(model.named_modules())
+    out_projections = {
+        id(m.out_proj) for m in modules.values() if isinstance(m, nn.MultiheadAttention) and m.out_proj is not None
+    }
+    transformed: list[str] = []
+    trainable: dict[str, str] = {}
+    frozen: dict[str, str] = {}
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            continue
+        layer = managed.get(id(p))
+        if layer is not None and not any(id(m) in out_projections for m in layer.modules.values()):
+            if p.requires_grad:
+                transformed.append(name)
+            else:
+                frozen[name] = "frozen (requires_grad=False); transformed once it trains"
+            continue
+        reason = (
+            _MHA_F_LINEAR  # BNP hooks out_proj, but its forward never runs
+            if layer is not None
+            else _reason(name, modules, selected_kinds, known, include, exclude)
+        )
+        (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
+    count = len(transformed) + len(trainable)
+    return Coverage(tuple(transformed), {**trainable, **frozen}, count)
+
+
+def _reason(
+    name: str,
+    modules: dict[str, nn.Module],
+    selected_kinds: list[LayerKind],
+    known: list[LayerKind],
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+) -> str:
+    owner_name, _, attr = name.rpartition(".")
+    if ".parametrizations." in f".{name}":  # <module>.parametrizations.<tensor>.original…
+        module = modules.get(f".{name}".split(".parametrizations.")[0][1:])
+        what = type(module).__name__ if module is not None else "module"
+        return f"reparametrized ({what} under torch.nn.utils.parametrize, in a form BNP does not follow)"
+    owner = modules.get(owner_name)
+    if owner is None:
+        return "not held by a module BNP can find"
+    if isinstance(owner, nn.MultiheadAttention) and attr in _MHA_WEIGHTS:
+        return _MHA_F_LINEAR
+    if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)):
+        return f"embedding ({type(owner).__name__}: not a layer kind BNP manages)"
+    kinds = kinds_of(owner, known)
+    if not kinds:
+        if "pos" in attr.lower() or "embed" in attr.lower() or "token" in attr.lower():
+            return f"embedding / positional parameter {attr!r} of {type(owner).__name__}"
+        return (
+            f"unknown layer type {type(owner).__module__}.{type(owner).__qualname__}"
+            " (teach BNP with register_layer_kind)"
+        )
+    if not any(k in selected_kinds for k in kinds):
+        return f"layer type {kinds[0].name!r} is not in `layer_types`"
+    if all(attr != k.weight_name for k in kinds):
+        return f"a parameter of its {type(owner).__name__} layer that no layer kind feeds"
+    if include is not None and not any(fnmatchcase(owner_name, p) for p in include):
+        return f"not matched by `include` {list(include)}"
+    matched = [p for p in exclude or () if fnmatchcase(owner_name, p)]
+    if matched:
+        return f"excluded by `exclude` pattern {matched[0]!r}"
+    return "reparametrized (torch.nn.utils.parametrize) in a form BNP does not follow"

@@ -1,0 +1,332 @@
+"""Layer kinds: what BNP needs to know about one kind of layer (DESIGN §1b).
+
+BNP's transform is row-local: output row i of a weight needs G_w[i, :], G_b[i] and the statistics of the
+input that row multiplies. So a layer kind only says
+
+* which modules it applies to (:attr:`LayerKind.module_type`, subclasses included);
+* which tensor of a forward call is the input (:meth:`LayerKind.input`, from the forward hook's
+  ``args``/``kwargs``);
+* which weight and bias that input feeds (:attr:`~LayerKind.weight_name`, :attr:`~LayerKind.bias_name`) and
+  how they map to BNP's layout of output rows × input features (:meth:`LayerKind.rows`,
+  :meth:`LayerKind.bias_rows`: a weight stored transposed, or a row block of a larger weight);
+* how to reduce the input to per-feature moments (:meth:`LayerKind.moments`), and the ``fan_in``,
+  ``groups`` and ``features`` that follow from the layout.
+
+The preconditioner iterates over (module, kind) pairs and never special-cases a module class. ``nn.Linear``
+and ``nn.Conv{1,2,3}d`` are two built-in kinds; ``transformers.pytorch_utils.Conv1D`` (GPT-2's linear layer,
+weight stored (in, out)) is a third, resolved lazily: ``transformers`` is never imported here, and a model can
+only hold a Conv1D once the user has imported it. A user teaches BNP a new kind with
+:func:`register_layer_kind`; its :attr:`~LayerKind.name` is then accepted in ``layer_types`` (YAML too).
+
+Several kinds may apply to one module (each then feeds its own rows of its own weight from its own input,
+e.g. the q, k and v blocks of one packed projection: :meth:`~LayerKind.rows` returns ``weight[a:b]``, and
+:attr:`~LayerKind.suffix` names the layer ``<module name><suffix>``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from lightning_bnp.core.layers import weight_leaf
+from lightning_bnp.core.selection import filter_by_name, validate_layer_types
+from lightning_bnp.core.statistics import Moments, column_moments_of_input, feature_moments, moments_of_input
+from lightning_bnp.core.validation import check_patterns
+
+__all__ = [
+    "LINEAR_FAMILY",
+    "ConvNdKind",
+    "LayerKind",
+    "LinearKind",
+    "TransformersConv1DKind",
+    "layer_kinds",
+    "register_layer_kind",
+    "select_layer_kinds",
+    "unregister_layer_kind",
+]
+
+LINEAR_FAMILY = "Linear"
+
+
+class LayerKind:
+    """How BNP reads one kind of layer. Subclass it, set :attr:`name` and :attr:`module_type`, override what
+    differs from a linear layer ``y = x @ weight.T + bias`` (the defaults), and :func:`register_layer_kind` it.
+
+    Every method gets the module, so one instance serves every module of its type.
+
+    Example (a linear layer that stores its weight (in, out), as GPT-2's ``Conv1D`` does)::
+
+        class TransposedLinearKind(LayerKind):
+            name = "TransposedLinear"
+            module_type = TransposedLinear
+            family = "Linear"  # also managed when `layer_types` names "Linear" (the default)
+
+            def rows(self, module, weight):
+                return weight.t()  # (in, out) -> BNP's (out, in) rows; a view: the transform stays in place
+
+        register_layer_kind(TransposedLinearKind())
+    """
+
+    #: the name ``layer_types`` uses for this kind
+    name: ClassVar[str] = ""
+    #: the module class(es) this kind applies to (subclasses included); see also :meth:`module_types`
+    module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = ()
+    #: a built-in ``layer_types`` name that also selects this kind (``"Linear"``: a linear layer in another
+    #: layout is managed whenever linear layers are), or ``None``: only its own :attr:`name` selects it
+    family: ClassVar[str | None] = None
+    #: appended to the module's name to name the BNP layer (several kinds on one module need distinct ones)
+    suffix: ClassVar[str] = ""
+    #: the parameters this kind feeds (attributes of the module)
+    weight_name: ClassVar[str] = "weight"
+    bias_name: ClassVar[str | None] = "bias"
+    #: the keyword of the input in ``forward`` (when it is not passed positionally)
+    input_name: ClassVar[str] = "input"
+    #: True where every row of the input is one sample (dense layers): N = rows, so ``statistics="batch"``
+    #: needs two rows per step. False for layers whose rows are positions of a sample (convolutions).
+    dense: ClassVar[bool] = True
+    #: preconditioner options that shape this kind's statistics (saved with the state when such a layer exists)
+    options: ClassVar[tuple[str, ...]] = ()
+    #: set per class: :meth:`rows`, :meth:`bias_rows` and :meth:`input` are the defaults (the step and the
+    #: forward hook then skip calling them: they run for every layer every step)
+    same_rows: ClassVar[bool] = True
+    default_input: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.same_rows = cls.rows is LayerKind.rows and cls.bias_rows is LayerKind.bias_rows
+        cls.default_input = cls.input is LayerKind.input
+
+    def module_types(self) -> tuple[type[nn.Module], ...]:
+        """The classes this kind applies to now (a kind may resolve them lazily, see
+        :class:`TransformersConv1DKind`)."""
+        types = self.module_type
+        return types if isinstance(types, tuple) else (types,)
+
+    def configure(self, **options: Any) -> LayerKind:
+        """This kind under the preconditioner's options (e.g. ``conv_statistics``); ``self`` by default."""
+        return self
+
+    def input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The input of one forward call, from the forward hook's arguments: the first positional argument,
+        else the keyword :attr:`input_name`. Anything but a tensor is ignored."""
+        return args[0] if args else kwargs.get(self.input_name)
+
+    def weight(self, module: nn.Module) -> Tensor:
+        """The trainable weight leaf (``parametrizations.<name>.original`` under ``torch.nn.utils.parametrize``)."""
+        if self.weight_name == "weight":
+            return weight_leaf(module)
+        parametrizations = module._modules.get("parametrizations")
+        if isinstance(parametrizations, nn.ModuleDict) and self.weight_name in parametrizations:
+            return parametrizations[self.weight_name].original  # type: ignore[return-value]
+        return getattr(module, self.weight_name)
+
+    def bias(self, module: nn.Module) -> Tensor | None:
+        """The bias the input's rows feed, or ``None``."""
+        if self.bias_name is None:
+            return None
+        parameters = module._parameters  # not through nn.Module.__getattr__: runs every step
+        bias = parameters[self.bias_name] if self.bias_name in parameters else getattr(module, self.bias_name, None)
+        return bias if isinstance(bias, Tensor) else None
+
+    def rows(self, module: nn.Module, weight: Tensor) -> Tensor:
+        """A weight-shaped tensor (the weight, its gradient, a decay term …) as BNP's rows: a **view** of shape
+        (out, features) for a linear layer, (out, c_in/groups, *kernel) for a convolution. Identity by default;
+        ``weight.t()`` for a weight stored (in, out); ``weight[a:b]`` for a row block."""
+        return weight
+
+    def bias_rows(self, module: nn.Module, bias: Tensor) -> Tensor:
+        """A bias-shaped tensor as the (out,) view matching :meth:`rows`. Identity by default."""
+        return bias
+
+    def groups(self, module: nn.Module) -> int:
+        """Convolution groups (1 for a linear layer)."""
+        return 1
+
+    def fan_in(self, module: nn.Module) -> int:
+        """What one output row sees: ``rows(weight)[0].numel()`` (q²'s n_in)."""
+        return self.rows(module, self.weight(module))[0].numel()
+
+    def features(self, module: nn.Module) -> int:
+        """Length of μ and σ² (a linear layer's input features)."""
+        return self.fan_in(module)
+
+    def moments(self, module: nn.Module, h: Tensor, output: Any) -> Moments:
+        """Statistics of one forward call's input ``h``: a linear layer's, per feature (last dimension) over
+        every leading dimension (:func:`~lightning_bnp.core.statistics.feature_moments`)."""
+        return feature_moments(h)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class LinearKind(LayerKind):
+    """``nn.Linear`` (and subclasses): the input is ``forward``'s ``input``, the weight (out, in)."""
+
+    name = "Linear"
+    module_type = nn.Linear
+    family = LINEAR_FAMILY
+    weight = staticmethod(weight_leaf)  # the same call, one frame less
+
+    def features(self, module: nn.Module) -> int:
+        return int(module.in_features)  # type: ignore[arg-type]
+
+    fan_in = features
+
+    moments = staticmethod(moments_of_input)  # type: ignore[assignment]  # the same call, one frame less
+
+
+class ConvNdKind(LayerKind):
+    """``nn.Conv{1,2,3}d``: per input channel statistics over batch and positions (eqs. 21–22), or per im2col
+    column with ``conv_statistics="column"`` (eqs. 19–20)."""
+
+    dense = False
+    options = ("conv_statistics",)
+    weight = staticmethod(weight_leaf)
+
+    def __init__(self, name: str, module_type: type[nn.Module], *, columns: bool = False) -> None:
+        self.name = name  # type: ignore[misc]
+        self.module_type = module_type  # type: ignore[misc]
+        self.columns = columns
+        self.moments = column_moments_of_input if columns else moments_of_input  # type: ignore[method-assign,assignment]
+
+    def configure(self, **options: Any) -> LayerKind:
+        columns = options.get("conv_statistics", "channel") == "column"
+        return self if columns == self.columns else ConvNdKind(self.name, self.module_type, columns=columns)  # type: ignore[arg-type]
+
+    def groups(self, module: nn.Module) -> int:
+        return int(module.groups)  # type: ignore[arg-type]
+
+    def fan_in(self, module: nn.Module) -> int:
+        return int(module.in_channels) // self.groups(module) * math.prod(module.kernel_size)  # type: ignore[arg-type]
+
+    def features(self, module: nn.Module) -> int:
+        channels = int(module.in_channels)  # type: ignore[arg-type]
+        return channels * math.prod(module.kernel_size) if self.columns else channels  # type: ignore[arg-type]
+
+
+class TransformersConv1DKind(LayerKind):
+    """``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, …): a linear layer ``addmm(bias, x, weight)`` whose
+    weight is stored (in, out). Applies once the user has imported ``transformers`` (never imported here)."""
+
+    name = "transformers.Conv1D"
+    family = LINEAR_FAMILY
+    input_name = "x"
+
+    def module_types(self) -> tuple[type[nn.Module], ...]:
+        utils = sys.modules.get("transformers.pytorch_utils")
+        conv1d = getattr(utils, "Conv1D", None)
+        return (conv1d,) if isinstance(conv1d, type) else ()
+
+    def rows(self, module: nn.Module, weight: Tensor) -> Tensor:
+        return weight.t()
+
+    def features(self, module: nn.Module) -> int:
+        return int(module.nx)  # type: ignore[arg-type]
+
+    fan_in = features
+
+
+_REGISTRY: dict[str, LayerKind] = {}
+
+
+def register_layer_kind(kind: LayerKind, *, replace: bool = False) -> LayerKind:
+    """Teach BNP a layer kind: its :attr:`~LayerKind.name` is then accepted in ``layer_types`` (also from a
+    LightningCLI YAML file, once the module that registers it is imported, e.g. the one defining the model),
+    and every :class:`BNPPreconditioner` built afterwards manages modules of its type. Returns ``kind``.
+
+    Args:
+        kind: an instance of a :class:`LayerKind` subclass.
+        replace: replace a kind registered under the same name (otherwise an error).
+
+    Raises:
+        TypeError: ``kind`` is not a :class:`LayerKind` instance.
+        ValueError: its name is empty or already registered (and ``replace`` is false), or its
+            :attr:`~LayerKind.family` is not a registered name.
+    """
+    if not isinstance(kind, LayerKind):
+        raise TypeError(f"`kind` must be an instance of a LayerKind subclass, got {kind!r} ({type(kind).__name__})")
+    if not isinstance(kind.name, str) or not kind.name:
+        raise ValueError(f"a layer kind needs a non-empty `name` (the `layer_types` entry), got {kind.name!r}")
+    if kind.name in _REGISTRY and not replace:
+        raise ValueError(
+            f"a layer kind named {kind.name!r} is already registered ({_REGISTRY[kind.name]!r}); pass "
+            "replace=True to replace it"
+        )
+    if kind.family is not None and kind.family not in _REGISTRY and kind.family != kind.name:
+        raise ValueError(f"layer kind {kind.name!r}: `family` {kind.family!r} is not a registered layer type")
+    _REGISTRY[kind.name] = kind
+    return kind
+
+
+def unregister_layer_kind(name: str) -> None:
+    """Forget a kind registered with :func:`register_layer_kind` (the built-in ones cannot be removed).
+
+    Raises:
+        ValueError: ``name`` is not registered or is built in.
+    """
+    if name in _BUILT_IN or name not in _REGISTRY:
+        raise ValueError(f"{name!r} is not a user-registered layer kind; registered: {sorted(_REGISTRY)}")
+    del _REGISTRY[name]
+
+
+def layer_kinds() -> dict[str, LayerKind]:
+    """The registered kinds by name (a copy)."""
+    return dict(_REGISTRY)
+
+
+def kinds_for(layer_types: Sequence[str]) -> list[LayerKind]:
+    """The kinds ``layer_types`` selects: those it names, and those whose family it names."""
+    wanted = set(layer_types)
+    return [kind for name, kind in _REGISTRY.items() if name in wanted or kind.family in wanted]
+
+
+def select_layer_kinds(
+    model: nn.Module,
+    layer_types: Sequence[str] | str,
+    include: Sequence[str] | str | None = None,
+    exclude: Sequence[str] | str | None = None,
+) -> dict[str, tuple[nn.Module, LayerKind]]:
+    """``{layer name: (module, kind)}`` of what BNP manages: every module to which a kind that ``layer_types``
+    selects applies (:func:`kinds_for`), kept or dropped by ``include``/``exclude`` as
+    :func:`~lightning_bnp.core.selection.select_layers` does (patterns match module names); a layer's name is
+    its module's name plus its kind's :attr:`~LayerKind.suffix`.
+
+    Raises:
+        TypeError: ``layer_types``, ``include`` or ``exclude`` is not a string or a list of strings.
+        ValueError: an unknown type name, a pattern that matches no candidate, or nothing left to manage.
+    """
+    layer_types = validate_layer_types(layer_types, _REGISTRY)
+    include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
+    kinds, known = kinds_for(layer_types), list(_REGISTRY.values())
+    # what each module is (its most specific kinds), then whether layer_types wants that
+    found = {name: (m, [k for k in kinds_of(m, known) if k in kinds]) for name, m in model.named_modules()}
+    candidates = {name: m for name, (m, ks) in found.items() if ks}
+    kept = filter_by_name(candidates, layer_types, include, exclude)
+    return {name + kind.suffix: (m, kind) for name, m in kept.items() for kind in found[name][1]}
+
+
+def kinds_of(module: nn.Module, kinds: Sequence[LayerKind]) -> list[LayerKind]:
+    """The kinds among ``kinds`` that apply to ``module``: per :attr:`~LayerKind.suffix`, the one whose class is
+    the most specific (first in the module's MRO), e.g. a user's kind for a subclass of ``nn.Linear``."""
+    mro = type(module).__mro__
+    best: dict[str, tuple[int, LayerKind]] = {}
+    for kind in kinds:
+        depth = min((mro.index(t) for t in kind.module_types() if t in mro), default=None)
+        if depth is not None and (kind.suffix not in best or depth < best[kind.suffix][0]):
+            best[kind.suffix] = (depth, kind)
+    return [kind for _, kind in best.values()]
+
+
+for _kind in (
+    LinearKind(),
+    ConvNdKind("Conv1d", nn.Conv1d),
+    ConvNdKind("Conv2d", nn.Conv2d),
+    ConvNdKind("Conv3d", nn.Conv3d),
+    TransformersConv1DKind(),
+):
+    register_layer_kind(_kind)
+_BUILT_IN = frozenset(_REGISTRY)

@@ -1,0 +1,128 @@
+"""Issue 29 through Lightning: a user-registered layer kind (a linear layer stored (in, out), tests/transposed.py)
+under BatchNormPreconditioning equals BNP on the ``nn.Linear`` twin, resumes from a checkpoint, is named in
+``layer_types`` from a LightningCLI YAML file, and the setup line names what BNP leaves alone."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_bnp import BatchNormPreconditioning, ZSpaceRegularization
+from tests.helpers import BoringClassifier, _fit, make_data, make_mlp
+from tests.transposed import TransposedClassifier, TransposedLinear, as_linear_parameters, make_transposed_mlp
+
+
+def parameters(model: nn.Module) -> dict[str, Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_callback_on_a_registered_kind_equals_the_nn_linear_twin(tmp_path: Path) -> None:
+    data = make_data(n=64)
+    runs = []
+    for make in (make_mlp, make_transposed_mlp):
+        bnp = BatchNormPreconditioning()
+        model = BoringClassifier(make(), momentum=0.9)
+        _fit(tmp_path, model, data, batch_size=16, callbacks=[bnp], max_steps=6)
+        assert bnp.preconditioner is not None and list(bnp.preconditioner.layers) == ["network.0", "network.2"]
+        runs.append((as_linear_parameters(parameters(model), model), bnp.preconditioner.state_dict()))
+    (linear, linear_state), (got, state) = runs
+    assert isinstance(model.network[0], TransposedLinear)
+    for name, value in linear.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for name, layer in linear_state["layers"].items():
+        assert state["layers"][name]["steps"] == layer["steps"] == 6
+        torch.testing.assert_close(state["layers"][name]["var_acc"], layer["var_acc"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "regularization", [{"weight_decay": 0.05}, {"weight_decay": 0.05, "decay_space": "p"}, {"gradient_penalty": 0.1}]
+)
+def test_z_space_regularization_maps_a_registered_kinds_vectors_through_its_rows(
+    tmp_path: Path, regularization: dict[str, float]
+) -> None:
+    """z-space weight decay and gradient penalty apply BNP's M to weight-shaped vectors (and the bias part of
+    ∇_z λ‖z_w‖² from the weight's rows): a weight stored transposed must give the nn.Linear twin's result."""
+    data = make_data(n=48)
+    runs = []
+    for make in (make_mlp, make_transposed_mlp):
+        model = BoringClassifier(make(), momentum=0.9)
+        callbacks = [BatchNormPreconditioning(), ZSpaceRegularization(**regularization)]  # type: ignore[arg-type]
+        _fit(tmp_path, model, data, batch_size=16, callbacks=callbacks, max_steps=3)
+        runs.append(as_linear_parameters(parameters(model), model))
+    for name, value in runs[0].items():
+        torch.testing.assert_close(runs[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_registered_kind_resumes_from_a_checkpoint_bit_identically(tmp_path: Path) -> None:
+    data = make_data(n=64)
+    straight_cb = BatchNormPreconditioning()
+    straight = BoringClassifier(make_transposed_mlp(), momentum=0.9)
+    _fit(tmp_path / "a", straight, data, batch_size=16, callbacks=[straight_cb], max_epochs=4)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    first = BoringClassifier(make_transposed_mlp(), momentum=0.9)
+    _fit(tmp_path / "b", first, data, batch_size=16, callbacks=[BatchNormPreconditioning(), ckpt], max_epochs=2,
+         enable_checkpointing=True)  # fmt: skip
+    resumed_cb = BatchNormPreconditioning()
+    resumed = BoringClassifier(make_transposed_mlp(seed=123), momentum=0.9)
+    _fit(tmp_path / "c", resumed, data, batch_size=16, callbacks=[resumed_cb], max_epochs=4,
+         ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))  # fmt: skip
+    for (name, p), q in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    for name, layer in straight_cb.preconditioner.layers.items():  # type: ignore[union-attr]
+        other = resumed_cb.preconditioner.layers[name]  # type: ignore[union-attr]
+        assert other.running.steps == layer.running.steps == 16
+        assert torch.equal(other.running.var_acc, layer.running.var_acc)
+
+
+def test_layer_types_names_a_registered_kind_in_a_lightning_cli_yaml(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_bnp.BatchNormPreconditioning\n"
+        "      init_args:\n"
+        "        layer_types: [TransposedLinear]\n"
+        "        exclude: network.2\n"
+    )
+    cli = LightningCLI(TransposedClassifier, run=False, save_config_callback=None,
+                       args=["--config", str(config), "--trainer.max_steps=2", "--trainer.logger=false",
+                             f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_checkpointing=false",
+                             "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu"])  # fmt: skip
+    (bnp,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, BatchNormPreconditioning)]  # type: ignore[attr-defined]
+    assert bnp.layer_types == ["TransposedLinear"]
+    x, y = make_data(n=32).tensors
+    cli.trainer.fit(cli.model, DataLoader(list(zip(x, y)), batch_size=16))
+    assert bnp.preconditioner is not None and list(bnp.preconditioner.layers) == ["network.0"]
+    assert bnp.preconditioner.layers["network.0"].running.steps == 2
+    assert bnp.preconditioner.skipped == {"network.2.weight": "excluded by `exclude` pattern 'network.2'"}
+
+
+class Affine(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.matrix = nn.Parameter(torch.randn(8, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.matrix
+
+
+def test_the_setup_line_names_the_weight_matrices_bnp_leaves_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    network = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), Affine())
+    with caplog.at_level(logging.INFO):
+        _fit(tmp_path, BoringClassifier(network), make_data(), batch_size=16, max_steps=1,
+             callbacks=[BatchNormPreconditioning()])  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("BatchNormPreconditioning: BNP")]
+    assert lines == [
+        "BatchNormPreconditioning: BNP manages 1 layers: ['network.0']; BNP transforms 1 of the model's 2 trainable "
+        "weight matrices; it leaves alone network.2.matrix (unknown layer type "
+        "tests.callbacks.test_layer_kinds_callback.Affine (teach BNP with register_layer_kind))"
+    ]

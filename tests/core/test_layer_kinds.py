@@ -1,0 +1,252 @@
+"""Issue 29: layer kinds as adapters. A user-registered kind (a linear layer whose weight is stored (in, out)
+and applied with ``addmm``, as GPT-2's ``Conv1D``) is preconditioned exactly as BNP preconditions the
+equivalent ``nn.Linear``; GPT-2's own ``Conv1D`` out of the box; and what BNP leaves alone is named."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_bnp import BNPPreconditioner, LayerKind, register_layer_kind
+from lightning_bnp.core.kinds import layer_kinds, unregister_layer_kind
+from lightning_bnp.core.preconditioner import BNPWarning
+from tests.transposed import TransposedLinear, as_linear_parameters, transposed
+
+
+class Net(nn.Module):
+    """Linear layers with and without bias, one applied to (B, T, F) inputs, one called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 7, bias=False)
+        self.c = nn.Linear(7, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(torch.tanh(self.b(h))))
+        return self.c(h).mean(1)
+
+
+def sgd_steps(model: nn.Module, steps: int, **bnp: object) -> dict[str, Tensor]:
+    pre = BNPPreconditioner(model, rho=0.9, **bnp)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(4, 6, 5, generator=g, dtype=torch.float64) * torch.logspace(-1, 1, 5, dtype=torch.float64) + 1
+        model.zero_grad()
+        model(x).square().sum().backward()
+        pre.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.05 * p.grad)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_a_registered_transposed_linear_kind_is_exact_against_bnp_on_nn_linear() -> None:
+    torch.manual_seed(0)
+    reference = Net().double()
+    model = transposed(Net().double())
+    model.load_state_dict({k: v.t() if k.endswith("weight") else v for k, v in reference.state_dict().items()})
+    assert all(isinstance(m, TransposedLinear) for m in model.children())
+    expected = sgd_steps(reference, 5)
+    got = as_linear_parameters(sgd_steps(model, 5), model)
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_the_transposed_kind_is_selected_by_its_name_and_by_its_family() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), TransposedLinear(4, 2))
+    assert set(BNPPreconditioner(model).layers) == {"0", "1"}  # the default "Linear" family
+    model = nn.Sequential(nn.Linear(3, 4), TransposedLinear(4, 2))
+    assert set(BNPPreconditioner(model, layer_types=["TransposedLinear"]).layers) == {"1"}
+    model = nn.Sequential(nn.Linear(3, 4), TransposedLinear(4, 2))
+    pre = BNPPreconditioner(model, layer_types="TransposedLinear")
+    assert pre.layers["1"].features == 4 and pre.layers["1"].fan_in == 4
+    assert pre.skipped == {"0.weight": "layer type 'Linear' is not in `layer_types`"}
+
+
+def test_step_transform_maps_weight_shaped_vectors_through_the_kinds_rows() -> None:
+    """M of the latest step applied to a weight-shaped vector (what z-space regularization does) equals the
+    nn.Linear twin's on the transposed vector."""
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 3).double()
+    layer = TransposedLinear.from_linear(linear).double()
+    x = torch.randn(6, 4, dtype=torch.float64) * 3 + 1
+    vectors = []
+    for module in (linear, layer):
+        pre = BNPPreconditioner(module)
+        module(x).sum().backward()
+        pre.step()
+        vec_w, vec_b = torch.arange(12.0, dtype=torch.float64).view(3, 4), torch.ones(3, dtype=torch.float64)
+        vec_w = vec_w if module is linear else vec_w.t().clone()
+        pre.layers[""].transform.apply_(vec_w, vec_b)  # type: ignore[union-attr]
+        vectors.append((vec_w if module is linear else vec_w.t(), vec_b))
+    torch.testing.assert_close(vectors[0], vectors[1])
+
+
+def test_register_layer_kind_refuses_wrong_arguments() -> None:
+    with pytest.raises(TypeError, match="must be an instance of a LayerKind subclass"):
+        register_layer_kind(TransposedLinear)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'Linear' is already registered"):
+        register_layer_kind(type("Again", (LayerKind,), {"name": "Linear", "module_type": nn.Linear})())
+    with pytest.raises(ValueError, match="non-empty `name`"):
+        register_layer_kind(LayerKind())
+    with pytest.raises(ValueError, match="`family` 'Dense' is not a registered layer type"):
+        register_layer_kind(type("K", (LayerKind,), {"name": "K", "family": "Dense"})())
+    with pytest.raises(ValueError, match="not a user-registered layer kind"):
+        unregister_layer_kind("Linear")
+
+
+def test_a_kind_registered_later_is_accepted_in_layer_types_and_unknown_names_are_refused() -> None:
+    class Scaled(nn.Linear):
+        pass
+
+    with pytest.raises(ValueError, match=r"unknown \['Scaled'\]"):
+        BNPPreconditioner(nn.Sequential(Scaled(2, 2)), layer_types=["Scaled"])
+    kind = type("ScaledKind", (LayerKind,), {"name": "Scaled", "module_type": Scaled})()
+    register_layer_kind(kind)
+    try:
+        assert "Scaled" in layer_kinds()
+        model = nn.Sequential(Scaled(2, 2), nn.Linear(2, 2))
+        pre = BNPPreconditioner(model, layer_types=["Linear", "Scaled"])
+        assert pre.layers["0"].kind is kind  # the most specific kind wins over nn.Linear's
+        assert pre.layers["1"].kind.name == "Linear"
+        pre.detach()
+        pre = BNPPreconditioner(model)  # a Scaled layer is not managed as a Linear one when "Scaled" is not wanted
+        assert list(pre.layers) == ["1"] and pre.skipped == {"0.weight": "layer type 'Scaled' is not in `layer_types`"}
+    finally:
+        unregister_layer_kind("Scaled")
+
+
+# ----------------------------------------------------------------- what BNP leaves alone
+class Affine(nn.Module):
+    """A linear-like layer BNP does not know."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matrix = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.matrix
+
+
+def test_skipped_names_each_weight_matrix_bnp_leaves_alone_with_its_reason() -> None:
+    model = nn.Sequential(
+        nn.Linear(4, 4), Affine(), nn.Linear(4, 4), nn.Linear(4, 4), nn.ConvTranspose1d(4, 4, 1), nn.Embedding(3, 4)
+    )
+    model[3].requires_grad_(False)
+    model[3].bias.requires_grad_(True)
+    pre = BNPPreconditioner(model, exclude="2")
+    assert pre.coverage.transformed == ("0.weight",)
+    assert pre.skipped == {
+        "1.matrix": "unknown layer type tests.core.test_layer_kinds.Affine (teach BNP with register_layer_kind)",
+        "2.weight": "excluded by `exclude` pattern '2'",
+        "4.weight": "unknown layer type torch.nn.modules.conv.ConvTranspose1d (teach BNP with register_layer_kind)",
+        "5.weight": "embedding (Embedding: not a layer kind BNP manages)",
+        "3.weight": "frozen (requires_grad=False); transformed once it trains",
+    }
+    assert pre.report(limit=2) == (
+        "BNP transforms 1 of the model's 5 trainable weight matrices; it leaves alone 1.matrix (unknown layer type "
+        "tests.core.test_layer_kinds.Affine (teach BNP with register_layer_kind)); 2.weight (excluded by `exclude` "
+        "pattern '2'); and 3 more"
+    )
+    assert BNPPreconditioner(nn.Sequential(nn.Linear(2, 2))).report() == (
+        "BNP transforms 1 of the model's 1 trainable weight matrices"
+    )
+
+
+def test_a_custom_linear_like_layer_is_named_until_its_kind_is_registered() -> None:
+    class Custom(TransposedLinear):
+        pass
+
+    model = nn.Sequential(nn.Linear(3, 4), Affine())
+    assert list(BNPPreconditioner(model).skipped) == ["1.matrix"]
+    model = nn.Sequential(TransposedLinear(3, 4), Custom(4, 2))  # a subclass of a registered kind is that kind
+    assert BNPPreconditioner(model).skipped == {}
+
+
+def test_transformer_encoder_names_the_attention_projections_it_cannot_reach() -> None:
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    pre = BNPPreconditioner(model)
+    reason = "nn.MultiheadAttention calls F.linear on it; not supported yet"
+    assert pre.skipped == {
+        f"layers.{i}.self_attn.{name}": reason for i in range(2) for name in ("in_proj_weight", "out_proj.weight")
+    }
+    assert pre.report().startswith("BNP transforms 4 of the model's 8 trainable weight matrices; it leaves alone ")
+
+
+# ----------------------------------------------------------------------------- GPT-2
+def gpt2_pair() -> tuple[nn.Module, nn.Module]:
+    """A small GPT-2 (random init, nothing downloaded) and its twin with every Conv1D an nn.Linear."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, n_positions=16, vocab_size=40, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    twin = transformers.GPT2LMHeadModel(config).double()
+    twin.load_state_dict(model.state_dict())
+
+    def to_linear(module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, Conv1D):
+                linear = nn.Linear(child.nx, child.nf).double()
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight.t())
+                    linear.bias.copy_(child.bias)
+                setattr(module, name, linear)
+            else:
+                to_linear(child)
+
+    to_linear(twin)
+    return model, twin
+
+
+def test_gpt2_conv1d_layers_are_all_transformed_and_equal_bnp_on_nn_linear() -> None:
+    model, twin = gpt2_pair()
+    names = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    projections = [f"transformer.h.{i}.{name}" for i in range(2) for name in names]
+    results = []
+    for net in (model, twin):
+        with pytest.warns(BNPWarning, match=r"'lm_head' shares its weight with 'transformer.wte' \(Embedding\)"):
+            pre = BNPPreconditioner(net, rho=0.9)
+        assert set(pre.layers) == {*projections, "lm_head"}
+        assert pre.skipped == {"transformer.wpe.weight": "embedding (Embedding: not a layer kind BNP manages)"}
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            ids = torch.randint(0, 40, (3, 10), generator=g)
+            net.zero_grad()
+            net(input_ids=ids, labels=ids).loss.backward()
+            pre.step()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.sub_(0.5 * p.grad)
+        assert all(pre.layers[name].running.steps == 3 for name in projections)
+        pre.detach()
+        results.append(dict(net.named_parameters()))
+    gpt2, linear = results
+    stored_transposed = {f"{name}.weight" for name in projections}
+    for name, value in linear.items():
+        got = gpt2[name].t() if name in stored_transposed else gpt2[name]
+        torch.testing.assert_close(got, value, rtol=1e-9, atol=1e-10, msg=name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BNPWarning)
+        assert len(BNPPreconditioner(model, layer_types="transformers.Conv1D").layers) == 8
+
+
+def test_the_conv1d_kind_does_not_import_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2's Conv1D kind is resolved from ``sys.modules``: a model can only hold a Conv1D once the user has
+    imported ``transformers.pytorch_utils``, and BNP never imports it (``transformers`` is not a dependency)."""
+    monkeypatch.delitem(sys.modules, "transformers.pytorch_utils", raising=False)
+    kind = layer_kinds()["transformers.Conv1D"]
+    assert kind.module_types() == ()
+    BNPPreconditioner(nn.Linear(2, 2), layer_types=["Linear", "transformers.Conv1D"]).detach()
+    assert "transformers.pytorch_utils" not in sys.modules
