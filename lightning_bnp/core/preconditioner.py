@@ -57,8 +57,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
-from lightning_bnp.core.layers import BNPWarning, StepTransform, _Layer, make_layers
+from lightning_bnp.core.copies import register_forward_hook
+from lightning_bnp.core.layers import NO_LEAF, BNPWarning, StepTransform, _Layer, make_layers
 from lightning_bnp.core.layout import FeatureLayout
+from lightning_bnp.core.reparametrization import manageable, unsupported
 from lightning_bnp.core.selection import select_layers, validate_layer_types
 from lightning_bnp.core.statistics import (
     Moments,
@@ -145,6 +147,10 @@ _NEVER_RAN = (
 _TWICE = (
     "its gradient was already preconditioned by the previous step() and no backward has changed it "
     "since; it is left as it is (one transform per gradient). Call step() once per backward."
+)
+_REPARAMETRIZED = (
+    "was reparametrized after BNP was set up, and BNP leaves it alone from this step on (its gradient is "
+    "not transformed and its statistics are not updated)"
 )
 _NON_FINITE = (
     "the step's input statistics are not finite (a NaN or Inf in the batch); its running statistics "
@@ -241,7 +247,7 @@ class BNPPreconditioner(ArgumentsRepr):
         self.bias_correction = bias_correction
         self.sync_statistics = sync_statistics
         self.process_group = process_group
-        selected = select_layers(model, layer_types, include, exclude)
+        selected = manageable(select_layers(model, layer_types, include, exclude), BNPWarning)
         self.layers: dict[str, _Layer] = make_layers(
             model, selected, rho=rho, bias_correction=bias_correction, conv_statistics=conv_statistics
         )
@@ -286,7 +292,7 @@ class BNPPreconditioner(ArgumentsRepr):
         for layer in self.layers.values():
             for module in layer.modules.values():
                 _OWNERS[module] = weakref.ref(self)
-                self._handles.append(module.register_forward_hook(self._make_hook(layer), with_kwargs=True))
+                self._handles.append(register_forward_hook(module, self._make_hook(layer), with_kwargs=True))
 
     def detach(self) -> None:
         """Remove the forward hooks and the optimizers' commit hooks; drop statistics of an unfinished
@@ -303,6 +309,25 @@ class BNPPreconditioner(ArgumentsRepr):
                 owner = _OWNERS.get(module)
                 if owner is not None and owner() is self:
                     del _OWNERS[module]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For ``pickle`` and ``copy.deepcopy``: hook handles, pending commits and caches stay behind (a copy of the
+        model carries no BNP hooks: ``core/copies.py``); an attached preconditioner re-attaches to its copied
+        modules in :meth:`__setstate__`."""
+        if self.process_group is not None:
+            raise TypeError(
+                "a BNPPreconditioner with an explicit `process_group` cannot be pickled or copied (a process "
+                "group is bound to this process); build a new one in the other process"
+            )
+        state = dict(self.__dict__)
+        state.update(_handles=[], _commit_hooks={}, _pending={}, _layouts={}, _was_attached=self.attached)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        attached = state.pop("_was_attached", False)
+        self.__dict__.update(state)
+        if attached:
+            self.attach()
 
     @property
     def attached(self) -> bool:
@@ -387,12 +412,14 @@ class BNPPreconditioner(ArgumentsRepr):
             layers = self._layer_list
         else:
             ids = {id(p) for p in params}
-            layers = [layer for layer in self.layers.values() if id(layer.weight) in ids]
+            layers = [layer for layer in self.layers.values() if id(layer.weight) in ids or self._left_alone(layer)]
         # a layer with no gradient this step did not contribute to it: its statistics are dropped
         active, grads = [], []
         for layer in layers:
             grad = layer.weight.grad
-            if grad is not None and not self._transformed_already(layer, grad):
+            if grad is None:
+                self._left_alone(layer)
+            elif not self._transformed_already(layer, grad):
                 active.append(layer)
                 grads.append(grad)
         pooled = self._pool(active)
@@ -414,6 +441,13 @@ class BNPPreconditioner(ArgumentsRepr):
         if commit:
             pending.commit()
         return pending
+
+    def _left_alone(self, layer: _Layer) -> bool:
+        """False; names (once) a layer reparametrized since setup in a way BNP cannot follow (README
+        'Reparametrized layers'): its weight leaf is then ``NO_LEAF`` and it is skipped like a frozen layer."""
+        if layer.weight is NO_LEAF:
+            self._warn(layer, "reparametrized", f"{_REPARAMETRIZED}: {unsupported(layer.module)}.")
+        return False
 
     def _transformed_already(self, layer: _Layer, grad: Tensor) -> bool:
         """Whether the weight's gradient is the one the previous step transformed, unchanged since."""
@@ -615,6 +649,14 @@ class BNPPreconditioner(ArgumentsRepr):
             length, layer = layer_state["mean_acc"].numel(), self.layers[name]
             if length != layer.features:
                 was = (saved_settings or {}).get("conv_statistics", "channel")
+                if not isinstance(layer.module, nn.modules.conv._ConvNd) or layer.columns == (was == "column"):
+                    unit = "statistics entries" if layer.columns else "input features/channels"
+                    raise ValueError(
+                        f"BNP statistics of layer {name!r} have {length} entries, but the layer "
+                        f"({type(layer.module).__name__}) has {layer.features} {unit}: the state was saved from "
+                        "a model whose layer has another shape. Load it into the same architecture, or start "
+                        "without the BNP state."
+                    )
                 raise ValueError(
                     f"BNP statistics of layer {name!r} have {length} entries, but it has {layer.features} with "
                     f"conv_statistics={self.conv_statistics!r} (saved with conv_statistics={was!r}); per-channel "
