@@ -48,11 +48,11 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from typing_extensions import override
 
-from lightning_bnp.core.copies import CopySafeHook, register_forward_hook
 from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.condition_monitor import ConditionNumberMonitor
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
+from lightning_bnp.core.copies import CopySafeHook, register_forward_hook
 from lightning_bnp.core.preconditioner import BNPPreconditioner
 from lightning_bnp.core.validation import check_int
 

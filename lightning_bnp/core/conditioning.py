@@ -332,7 +332,8 @@ def _no_weight_reason(module: nn.Module) -> str:
     """Why a selected layer has no plain ``weight`` parameter (for the error message)."""
     from lightning_bnp.core.reparametrization import describe  # it imports this module
 
-    if is_lazy(module._parameters.get("weight")):
+    weight = module._parameters.get("weight")
+    if weight is not None and is_lazy(weight):
         return "it is an uninitialised lazy layer (run one forward pass first)"
     return f"its weight is {describe(module, 'weight') or 'not a parameter'}; WeightConditioning needs a plain one"
 

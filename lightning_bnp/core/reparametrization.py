@@ -54,17 +54,20 @@ def _legacy_hook(module: nn.Module, name: str) -> str | None:
     return None
 
 
+def _chain(module: nn.Module, name: str) -> parametrize.ParametrizationList:
+    return module.parametrizations[name]  # type: ignore[index, return-value]
+
+
 def _only_equilibration(module: nn.Module, name: str) -> bool:
     from lightning_bnp.core.conditioning import Equilibration  # conditioning imports this module's users
 
-    chain = module.parametrizations[name]  # type: ignore[index, union-attr]
-    return name == "weight" and all(isinstance(p, Equilibration) for p in chain)
+    return name == "weight" and all(isinstance(p, Equilibration) for p in _chain(module, name))
 
 
 def describe(module: nn.Module, name: str) -> str | None:
     """How ``module.<name>`` is reparametrized, in words (None: a plain parameter, or no such tensor)."""
     if parametrize.is_parametrized(module, name):
-        chain = module.parametrizations[name]  # type: ignore[index, union-attr]
+        chain = _chain(module, name)
         kinds = ", ".join(type(p).__name__ for p in chain)
         originals = ", ".join(f"parametrizations.{name}.{n}" for n, _ in chain.named_parameters(recurse=False))
         return f"computed by torch.nn.utils.parametrize ({kinds}) from {originals}"
@@ -107,7 +110,7 @@ def weight_leaf(module: nn.Module) -> Tensor:
     if unsupported(module) is not None:
         return NO_LEAF
     if parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations["weight"].original  # type: ignore[index, union-attr, return-value]
+        return _chain(module, "weight").original
     weight = module._parameters.get("weight")
     if weight is None and _pruned(module, "weight"):
         weight = module._parameters.get("weight_orig")

@@ -29,7 +29,9 @@ def test_model_pruning_at_an_epoch_end_is_followed_every_step(tmp_path: Path) ->
     """Lightning's ModelPruning prunes weight and bias at the end of epoch 0: BNP keeps transforming both layers,
     with the centred transform (a pruned bias is still a bias), on all 8 steps."""
     bnp = BatchNormPreconditioning()
-    pruning = ModelPruning("l1_unstructured", amount=0.3, parameter_names=["weight", "bias"], make_pruning_permanent=False)
+    pruning = ModelPruning(
+        "l1_unstructured", amount=0.3, parameter_names=["weight", "bias"], make_pruning_permanent=False
+    )
     model = BoringClassifier(make_mlp())
     with warnings.catch_warnings():
         warnings.simplefilter("error", BNPWarning)
@@ -118,24 +120,58 @@ def test_lazy_layers_are_materialized_with_example_input_array(tmp_path: Path) -
 
 def test_lazy_layers_without_example_input_array_are_refused_naming_them(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"layers \['network.0'\] are uninitialised lazy modules.*example_input_array"):
-        _fit(tmp_path, LazyClassifier(example=False), make_data(n=32), batch_size=8,
-             callbacks=[BatchNormPreconditioning()], max_steps=2)
+        _fit(
+            tmp_path,
+            LazyClassifier(example=False),
+            make_data(n=32),
+            batch_size=8,
+            callbacks=[BatchNormPreconditioning()],
+            max_steps=2,
+        )
 
 
 def test_resume_from_a_checkpoint_without_bnp_state_warns_once(tmp_path: Path) -> None:
     data = make_data(n=32)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    _fit(tmp_path / "a", BoringClassifier(make_mlp()), data, batch_size=8, callbacks=[ckpt], max_epochs=1,
-         enable_checkpointing=True)
+    _fit(
+        tmp_path / "a",
+        BoringClassifier(make_mlp()),
+        data,
+        batch_size=8,
+        callbacks=[ckpt],
+        max_epochs=1,
+        enable_checkpointing=True,
+    )
     last = str(tmp_path / "ckpt" / "last.ckpt")
     with pytest.warns(BNPWarning, match=r"holds no BNP state .* running statistics start fresh") as record:
-        _fit(tmp_path / "b", BoringClassifier(make_mlp()), data, batch_size=8,
-             callbacks=[BatchNormPreconditioning()], max_epochs=2, ckpt_path=last)
+        _fit(
+            tmp_path / "b",
+            BoringClassifier(make_mlp()),
+            data,
+            batch_size=8,
+            callbacks=[BatchNormPreconditioning()],
+            max_epochs=2,
+            ckpt_path=last,
+        )
     assert len([w for w in record if "holds no BNP state" in str(w.message)]) == 1
     ckpt2 = ModelCheckpoint(dirpath=tmp_path / "ckpt2", save_last=True)
-    _fit(tmp_path / "c", BoringClassifier(make_mlp()), data, batch_size=8,
-         callbacks=[BatchNormPreconditioning(), ckpt2], max_epochs=1, enable_checkpointing=True)
+    _fit(
+        tmp_path / "c",
+        BoringClassifier(make_mlp()),
+        data,
+        batch_size=8,
+        callbacks=[BatchNormPreconditioning(), ckpt2],
+        max_epochs=1,
+        enable_checkpointing=True,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", BNPWarning)  # with BNP state: no word
-        _fit(tmp_path / "d", BoringClassifier(make_mlp()), data, batch_size=8,
-             callbacks=[BatchNormPreconditioning()], max_epochs=2, ckpt_path=str(tmp_path / "ckpt2" / "last.ckpt"))
+        _fit(
+            tmp_path / "d",
+            BoringClassifier(make_mlp()),
+            data,
+            batch_size=8,
+            callbacks=[BatchNormPreconditioning()],
+            max_epochs=2,
+            ckpt_path=str(tmp_path / "ckpt2" / "last.ckpt"),
+        )

@@ -38,7 +38,12 @@ def train(model: nn.Module, pre: BNPPreconditioner, opt: torch.optim.Optimizer, 
 
 
 def running(pre: BNPPreconditioner) -> dict[str, Tensor]:
-    return {f"{n}.{k}": v for n, layer in pre.layers.items() for k, v in layer.running.state_dict().items() if isinstance(v, Tensor)}
+    return {
+        f"{n}.{k}": v
+        for n, layer in pre.layers.items()
+        for k, v in layer.running.state_dict().items()
+        if isinstance(v, Tensor)
+    }
 
 
 def via_torch_save(obj: Any) -> Any:
@@ -120,7 +125,9 @@ def test_a_copied_model_and_preconditioner_go_on_exactly_as_the_original(how: st
     steps(model, pre, opt, range(3))
     pair = (model, pre, opt) if order == "model first" else (pre, model, opt)
     copied = pair_copies()[how](pair)
-    model2, pre2, opt2 = (copied[0], copied[1], copied[2]) if order == "model first" else (copied[1], copied[0], copied[2])
+    model2, pre2, opt2 = (
+        (copied[0], copied[1], copied[2]) if order == "model first" else (copied[1], copied[0], copied[2])
+    )
     assert pre2.attached and all(layer.module in set(model2.modules()) for layer in pre2.layers.values())
     steps(model, pre, opt, range(3, 6))
     steps(model2, pre2, opt2, range(3, 6))

@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize, prune
 
@@ -204,8 +203,11 @@ def test_weight_conditioning_keeps_its_documented_composition() -> None:
 
 def test_weight_conditioning_on_a_weight_normed_layer_names_the_reparametrization() -> None:
     layer = parametrizations.weight_norm(nn.Linear(4, 3))
-    with pytest.raises(ValueError, match=r"layer '' has no `weight` parameter to condition: its weight is computed by "
-                       r"torch.nn.utils.parametrize \(_WeightNorm\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer '' has no `weight` parameter to condition: its weight is computed by "
+        r"torch.nn.utils.parametrize \(_WeightNorm\)",
+    ):
         apply_weight_conditioning(layer)
     pruned = prune.l1_unstructured(nn.Linear(4, 3), "weight", amount=0.5)
     with pytest.raises(ValueError, match=r"its weight is pruned by torch.nn.utils.prune"):
@@ -224,7 +226,9 @@ def test_loading_statistics_of_another_shape_names_the_shape_not_conv_statistics
     torch.manual_seed(0)
     small = BNPPreconditioner(nn.Linear(8, 3))
     big = BNPPreconditioner(nn.Linear(12, 3))
-    with pytest.raises(ValueError, match=r"have 8 entries, but the layer \(Linear\) has 12 input features.*another shape"):
+    with pytest.raises(
+        ValueError, match=r"have 8 entries, but the layer \(Linear\) has 12 input features.*another shape"
+    ):
         big.load_state_dict(small.state_dict())
     conv = BNPPreconditioner(nn.Conv2d(2, 3, 3), conv_statistics="column")
     with pytest.raises(ValueError, match="conv_statistics"):  # the other conv_statistics is still named
