@@ -50,12 +50,29 @@ class CopySafeHook:
         return self
 
 
-def register_forward_hook(module: nn.Module, fn: Callable[..., Any], **kwargs: Any) -> RemovableHandle:
-    """``module.register_forward_hook(CopySafeHook(fn), **kwargs)``, after removing the inert hooks that a
+class _ForwardHook(CopySafeHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:  # fixed arity: cheaper than *args
+        return self.fn(module, args, output)
+
+
+class _ForwardHookWithKwargs(CopySafeHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        return self.fn(module, args, kwargs, output)
+
+
+def register_forward_hook(
+    module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False, **kwargs: Any
+) -> RemovableHandle:
+    """``module.register_forward_hook(CopySafeHook(fn), ...)``, after removing the inert hooks that a
     copy of the module carries in place of the original's."""
     stale = [key for key, hook in module._forward_hooks.items() if hook is inert_hook]
     for key in stale:
         del module._forward_hooks[key]
         module._forward_hooks_with_kwargs.pop(key, None)
         module._forward_hooks_always_called.pop(key, None)
-    return module.register_forward_hook(CopySafeHook(fn), **kwargs)
+    hook = _ForwardHookWithKwargs(fn) if with_kwargs else _ForwardHook(fn)
+    return module.register_forward_hook(hook, with_kwargs=with_kwargs, **kwargs)
