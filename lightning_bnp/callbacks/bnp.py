@@ -87,7 +87,8 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
-        ValueError: an argument is out of range or not finite, or (at setup) a pattern matches no layer.
+        ValueError: an argument is out of range or not finite, or (at setup) a pattern matches no layer, or
+            the model has uninitialised lazy layers and no ``example_input_array`` to materialize them.
         RuntimeError: (at setup) an unsupported strategy; (at fit start) LBFGS, or a layer whose weight
             and bias are in different optimizers. Lightning itself refuses a second instance on one
             Trainer (one ``state_key``), which would transform the gradients twice.

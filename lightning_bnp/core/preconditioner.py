@@ -196,8 +196,10 @@ class BNPPreconditioner(ArgumentsRepr):
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
-        ValueError: an argument outside its range or not finite, a pattern that matches no layer, or
-            two selected layers that share a weight but not their bias.
+        ValueError: an argument outside its range or not finite, a pattern that matches no layer,
+            two selected layers that share a weight but not their bias, an uninitialised lazy layer, or
+            no layer left once the reparametrized ones BNP cannot follow are left alone (README
+            "Reparametrized layers"; each of those gets a ``BNPWarning``).
         RuntimeError: a layer is already managed by another attached preconditioner.
 
     Example (``pre.step(opt)`` instead stores the statistics only if ``opt.step()`` runs)::
