@@ -175,3 +175,18 @@ def test_resume_from_a_checkpoint_without_bnp_state_warns_once(tmp_path: Path) -
             max_epochs=2,
             ckpt_path=str(tmp_path / "ckpt2" / "last.ckpt"),
         )
+
+
+@pytest.mark.filterwarnings("ignore:.*(logger|no logger).*")
+def test_a_layer_left_alone_is_named_once_and_the_monitors_still_run(tmp_path: Path) -> None:
+    """A spectral-normed layer: one BNPWarning at setup; the other layer is managed; ConditionNumberMonitor
+    still logs the weight κ of the left-alone layer (of the weight in use) without an internal error."""
+    model = BoringClassifier(make_mlp())
+    torch.nn.utils.parametrizations.spectral_norm(model.network[0])
+    bnp = BatchNormPreconditioning(verbose=False)
+    monitor = ConditionNumberMonitor(every_n_steps=1, hessian_block=False)
+    with pytest.warns(BNPWarning, match=r"BNP layer 'network.0' .* is left alone: .*_SpectralNorm") as record:
+        _fit(tmp_path, model, make_data(n=32), batch_size=8, callbacks=[bnp, monitor], max_steps=2)
+    assert len([w for w in record if issubclass(w.category, BNPWarning)]) == 1
+    assert bnp.preconditioner is not None and list(bnp.preconditioner.layers) == ["network.2"]
+    assert bnp.preconditioner.layers["network.2"].running.steps == 2
