@@ -652,7 +652,8 @@ class BNPPreconditioner(ArgumentsRepr):
             if length != layer.features:
                 was = (saved_settings or {}).get("conv_statistics", "channel")
                 if not isinstance(layer.module, nn.modules.conv._ConvNd) or layer.columns == (was == "column"):
-                    unit = "statistics entries" if layer.columns else "input features/channels"
+                    linear = isinstance(layer.module, nn.Linear)
+                    unit = "input features" if linear else "columns" if layer.columns else "input channels"
                     raise ValueError(
                         f"BNP statistics of layer {name!r} have {length} entries, but the layer "
                         f"({type(layer.module).__name__}) has {layer.features} {unit}: the state was saved from "

@@ -230,6 +230,8 @@ def test_loading_statistics_of_another_shape_names_the_shape_not_conv_statistics
         ValueError, match=r"have 8 entries, but the layer \(Linear\) has 12 input features.*another shape"
     ):
         big.load_state_dict(small.state_dict())
+    with pytest.raises(ValueError, match=r"have 2 entries, but the layer \(Conv2d\) has 4 input channels"):
+        BNPPreconditioner(nn.Conv2d(4, 3, 3)).load_state_dict(BNPPreconditioner(nn.Conv2d(2, 3, 3)).state_dict())
     conv = BNPPreconditioner(nn.Conv2d(2, 3, 3), conv_statistics="column")
     with pytest.raises(ValueError, match="conv_statistics"):  # the other conv_statistics is still named
         conv.load_state_dict(BNPPreconditioner(nn.Conv2d(2, 3, 3)).state_dict())
