@@ -29,13 +29,19 @@ from typing import Any, Literal, Protocol, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import move_data_to_device, rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bnp.callbacks._strategy import holds_full_replica, spawns_workers
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
-from lightning_bnp.core.preconditioner import DEFAULT_LAYER_TYPES, BNPPreconditioner, validate_bnp_arguments
+from lightning_bnp.core.preconditioner import (
+    DEFAULT_LAYER_TYPES,
+    BNPPreconditioner,
+    BNPWarning,
+    validate_bnp_arguments,
+)
+from lightning_bnp.core.reparametrization import lazy_names
 from lightning_bnp.core.validation import check_bool
 
 __all__ = ["BatchNormPreconditioning", "StepRegularizer"]
@@ -84,7 +90,8 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
-        ValueError: an argument is out of range or not finite, or (at setup) a pattern matches no layer.
+        ValueError: an argument is out of range or not finite, or (at setup) a pattern matches no layer, or
+            the model has uninitialised lazy layers and no ``example_input_array`` to materialize them.
         RuntimeError: (at setup) an unsupported strategy; (at fit start) LBFGS, or a layer whose weight
             and bias are in different optimizers. Lightning itself refuses a second instance on one
             Trainer (one ``state_key``), which would transform the gradients twice.
@@ -133,6 +140,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         self.preconditioner: BNPPreconditioner | None = None
         self._model: torch.nn.Module | None = None
         self._loaded_state: dict[str, Any] | None = None
+        self._state_restored = False  # whether this fit's checkpoint held BNP state
         self.regularizer: StepRegularizer | None = None  # set by ZSpaceRegularization.setup
 
     # ------------------------------------------------------------------ setup
@@ -141,7 +149,9 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         if stage != "fit":
             return
         self._check_strategy(trainer)
+        self._state_restored = False
         if self.preconditioner is None or self._model is not pl_module:
+            _materialize_lazy_layers(pl_module)
             self.preconditioner = BNPPreconditioner(
                 pl_module,
                 rho=self.rho,
@@ -185,6 +195,14 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.preconditioner is not None
+        if trainer.ckpt_path is not None and not self._state_restored:
+            # Lightning calls `load_state_dict` only for a callback whose state the checkpoint holds
+            rank_zero_warn(
+                f"BatchNormPreconditioning: the checkpoint {str(trainer.ckpt_path)!r} holds no BNP state (written "
+                "without this callback, or with `save_weights_only`), so the running statistics start fresh "
+                "(μ = 0, σ² = 1, step 0) in the middle of training.",
+                category=BNPWarning,
+            )
         owners: dict[int, int] = {}
         for index, optimizer in enumerate(trainer.optimizers):
             if isinstance(optimizer, torch.optim.LBFGS):
@@ -278,3 +296,36 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             self.preconditioner.load_state_dict(state_dict)
         else:
             self._loaded_state = state_dict
+        self._state_restored = True
+
+
+def _materialize_lazy_layers(pl_module: pl.LightningModule) -> None:
+    """Run ``example_input_array`` through a model with uninitialised lazy layers (in eval mode, without a
+    graph, as Lightning's ``ModelSummary`` does), so that BNP can size their statistics.
+
+    Raises:
+        ValueError: lazy layers and no ``example_input_array``, naming the layers.
+    """
+    lazy = lazy_names(dict(pl_module.named_modules()))
+    if not lazy:
+        return
+    example = pl_module.example_input_array
+    if example is None:
+        raise ValueError(
+            f"BatchNormPreconditioning: layers {lazy} are uninitialised lazy modules (e.g. nn.LazyLinear), whose "
+            "shapes BNP needs at setup. Set `self.example_input_array` in the LightningModule (BNP then runs it "
+            "through the model once at setup, as ModelSummary does), or run one forward pass before `fit`."
+        )
+    example = move_data_to_device(example, pl_module.device)
+    mode = pl_module.training
+    pl_module.eval()
+    try:
+        with torch.no_grad():
+            if isinstance(example, (list, tuple)):
+                pl_module(*example)
+            elif isinstance(example, dict):
+                pl_module(**example)
+            else:
+                pl_module(example)
+    finally:
+        pl_module.train(mode)

@@ -58,6 +58,7 @@ from lightning_bnp.callbacks._logging import (
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core import metrics as M
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
+from lightning_bnp.core.layers import NO_LEAF
 from lightning_bnp.core.preconditioner import BNPPreconditioner
 from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_int, check_patterns
 
@@ -335,6 +336,8 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             if self.weight_kappa:
                 for name, module in self._layers.items():
                     weight = probes.trainable_weight(module)
+                    if weight is NO_LEAF:  # reparametrized in a way BNP leaves alone: κ of the weight in use
+                        weight = module.weight  # type: ignore[assignment]
                     size = min(weight.shape[0], weight[0].numel())  # singular values of the (out, in·k) view
                     if size > self.max_weight_kappa_size:
                         self._warn_once(

@@ -52,6 +52,7 @@ from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.condition_monitor import ConditionNumberMonitor
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
+from lightning_bnp.core.copies import CopySafeHook, register_forward_hook
 from lightning_bnp.core.preconditioner import BNPPreconditioner
 from lightning_bnp.core.validation import check_int
 
@@ -194,6 +195,14 @@ class TimingMonitor(ArgumentsRepr, Callback):
         self._samples = 0
         self._step_at_start = -1
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickle / deepcopy: timing in flight (CUDA events, hook handles, the Trainer's profiler) stays behind
+        state = dict(self.__dict__)
+        clock = _Clock(torch.device("cuda" if self._clock.cuda else "cpu"))
+        clock.sync, clock.totals = self._clock.sync, self._clock.totals.copy()
+        state.update(_clock=clock, _handles=[], _hook_tokens={}, _step_token=None, _profiler=None, _trainer=None)
+        return state
+
     # ------------------------------------------------------------ set-up
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -307,11 +316,11 @@ class TimingMonitor(ArgumentsRepr, Callback):
         self._step_at_start = trainer.global_step
         if self._step_at_start % self._every == 0 and not self._handles:  # sample the statistics time
             for module in self._managed:  # around BNP's hook: ours first (prepended), then BNP's, then ours
-                self._handles.append(module.register_forward_hook(self._hook_start, prepend=True))
-                self._handles.append(module.register_forward_hook(self._hook_stop))
-            for module in self._parametrizations:
-                self._handles.append(module.register_forward_pre_hook(self._parametrization_start))
-                self._handles.append(module.register_forward_hook(self._parametrization_stop))
+                self._handles.append(register_forward_hook(module, self._hook_start, prepend=True))
+                self._handles.append(register_forward_hook(module, self._hook_stop))
+            for module in self._parametrizations:  # copy-safe hooks: a copy of the model does not call them
+                self._handles.append(module.register_forward_pre_hook(CopySafeHook(self._parametrization_start)))
+                self._handles.append(register_forward_hook(module, self._parametrization_stop))
         if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], Tensor):
             self._samples += len(batch[0]) if batch[0].dim() else 1  # the common (x, y) case, cheaply
         elif self._count_samples:

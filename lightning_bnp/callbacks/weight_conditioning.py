@@ -124,6 +124,11 @@ class WeightConditioning(ArgumentsRepr, Callback):
         """
         return bake_weight_conditioning(model)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickle / deepcopy: not the model's `log`/`log_dict` that Lightning attaches to every callback at fit
+        # (a parametrized model pickles only through its state_dict); Lightning attaches them again at each fit
+        return {k: v for k, v in self.__dict__.items() if k not in ("log", "log_dict")}
+
     @property
     @override
     def state_key(self) -> str:

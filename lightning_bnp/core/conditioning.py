@@ -323,9 +323,19 @@ def apply_weight_conditioning(
             continue
         weight = module._parameters.get("weight")
         if not isinstance(weight, nn.Parameter) or is_lazy(weight):
-            raise ValueError(f"layer {name!r} has no `weight` parameter to condition (an uninitialised lazy layer?)")
+            raise ValueError(f"layer {name!r} has no `weight` parameter to condition: {_no_weight_reason(module)}")
         parametrize.register_parametrization(module, "weight", Equilibration(mode, eps))
     return selected
+
+
+def _no_weight_reason(module: nn.Module) -> str:
+    """Why a selected layer has no plain ``weight`` parameter (for the error message)."""
+    from lightning_bnp.core.reparametrization import describe  # it imports this module
+
+    weight = module._parameters.get("weight")
+    if weight is not None and is_lazy(weight):
+        return "it is an uninitialised lazy layer (run one forward pass first)"
+    return f"its weight is {describe(module, 'weight') or 'not a parameter'}; WeightConditioning needs a plain one"
 
 
 def bake_weight_conditioning(model: nn.Module) -> list[str]:

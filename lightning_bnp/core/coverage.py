@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from lightning_bnp.core.kinds import LayerKind, kinds_for, kinds_of, layer_kinds
+from lightning_bnp.core.reparametrization import unsupported
 
 if TYPE_CHECKING:
     from lightning_bnp.core.layers import _Layer
@@ -101,11 +102,17 @@ def _reason(
     owner_name, _, attr = name.rpartition(".")
     if ".parametrizations." in f".{name}":  # <module>.parametrizations.<tensor>.original…
         module = modules.get(f".{name}".split(".parametrizations.")[0][1:])
+        why = unsupported(module) if module is not None else None
+        if why is not None:
+            return f"left alone: {why}"
         what = type(module).__name__ if module is not None else "module"
         return f"reparametrized ({what} under torch.nn.utils.parametrize, in a form BNP does not follow)"
     owner = modules.get(owner_name)
     if owner is None:
         return "not held by a module BNP can find"
+    why = unsupported(owner)
+    if why is not None:  # README "Reparametrized layers"
+        return f"left alone: {why}"
     if isinstance(owner, nn.MultiheadAttention) and attr in _MHA_WEIGHTS:
         return _MHA_F_LINEAR
     if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)):

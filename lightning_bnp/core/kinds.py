@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from lightning_bnp.core.layers import weight_leaf
+from lightning_bnp.core.reparametrization import bias_leaf
 from lightning_bnp.core.selection import filter_by_name, validate_layer_types
 from lightning_bnp.core.statistics import Moments, column_moments_of_input, feature_moments, moments_of_input
 from lightning_bnp.core.validation import check_patterns
@@ -128,6 +129,8 @@ class LayerKind:
         """The bias the input's rows feed, or ``None``."""
         if self.bias_name is None:
             return None
+        if self.bias_name == "bias":  # `bias`, or `bias_orig` when pruned (core.reparametrization)
+            return bias_leaf(module)
         parameters = module._parameters  # not through nn.Module.__getattr__: runs every step
         bias = parameters[self.bias_name] if self.bias_name in parameters else getattr(module, self.bias_name, None)
         return bias if isinstance(bias, Tensor) else None

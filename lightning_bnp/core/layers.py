@@ -16,13 +16,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from lightning_bnp.core import reparametrization
+from lightning_bnp.core.reparametrization import NO_LEAF
 from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics_dtype
 from lightning_bnp.core.transform import precondition_
 
 if TYPE_CHECKING:
     from lightning_bnp.core.kinds import LayerKind
 
-__all__ = ["BNPWarning", "StepTransform", "make_layers", "weight_leaf"]
+__all__ = ["NO_LEAF", "BNPWarning", "StepTransform", "make_layers", "weight_leaf"]
 
 
 class BNPWarning(UserWarning):
@@ -30,15 +32,15 @@ class BNPWarning(UserWarning):
 
 
 def weight_leaf(module: nn.Module) -> Tensor:
-    """The trainable weight: ``parametrizations.weight.original`` under ``torch.nn.utils.parametrize``
-    (e.g. Weight Conditioning), else ``weight``."""
-    # the fields parametrize and nn.Module keep, read directly: this runs for every layer every step, and
-    # ``parametrize.is_parametrized`` / ``module.weight`` go through nn.Module.__getattr__ (issue 16)
-    parametrizations = module._modules.get("parametrizations")
-    if isinstance(parametrizations, nn.ModuleDict) and "weight" in parametrizations:  # = parametrize.is_parametrized
-        return parametrizations["weight"].original  # type: ignore[return-value]
+    """The trainable weight: ``weight``, or under a reparametrization the leaf that
+    :mod:`~lightning_bnp.core.reparametrization` names (``weight_orig`` when pruned,
+    ``parametrizations.weight.original`` under Weight Conditioning; :data:`NO_LEAF` for a layer BNP leaves alone)."""
+    # the fields nn.Module keeps, read directly: this runs for every layer every step, and
+    # ``module.weight`` goes through nn.Module.__getattr__ (issue 16)
     weight = module._parameters.get("weight")
-    return weight if weight is not None else module.weight  # type: ignore[return-value]
+    if weight is not None and "parametrizations" not in module._modules:
+        return weight
+    return reparametrization.weight_leaf(module)
 
 
 def _as_is(tensor: Tensor) -> Tensor:
@@ -80,6 +82,10 @@ class _Layer:
     tied: dict[str, nn.Module] = field(default_factory=dict)  # other modules sharing this weight
     # (weak reference, version) of the gradient the latest step transformed: a second step on it is refused
     transformed_grad: tuple[weakref.ref[Tensor], int] | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        # pickle / deepcopy: the weak reference cannot be copied, and a copy's gradients are other tensors
+        return {**self.__dict__, "transformed_grad": None}
 
     @property
     def modules(self) -> dict[str, nn.Module]:

@@ -57,10 +57,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
+from lightning_bnp.core.copies import register_forward_hook
 from lightning_bnp.core.coverage import Coverage, coverage
 from lightning_bnp.core.kinds import layer_kinds, select_layer_kinds
-from lightning_bnp.core.layers import BNPWarning, StepTransform, _Layer, make_layers
+from lightning_bnp.core.layers import NO_LEAF, BNPWarning, StepTransform, _Layer, make_layers
 from lightning_bnp.core.layout import FeatureLayout
+from lightning_bnp.core.reparametrization import manageable, unsupported
 from lightning_bnp.core.selection import validate_layer_types
 from lightning_bnp.core.statistics import Moments, RunningStatistics, ema_update
 from lightning_bnp.core.transform import precondition_scaled_, q_squared, var_tilde
@@ -146,6 +148,10 @@ _TWICE = (
     "its gradient was already preconditioned by the previous step() and no backward has changed it "
     "since; it is left as it is (one transform per gradient). Call step() once per backward."
 )
+_REPARAMETRIZED = (
+    "was reparametrized after BNP was set up, and BNP leaves it alone from this step on (its gradient is "
+    "not transformed and its statistics are not updated)"
+)
 _NON_FINITE = (
     "the step's input statistics are not finite (a NaN or Inf in the batch); its running statistics "
     "are not updated in such a step and P uses the ones stored before it."
@@ -192,8 +198,10 @@ class BNPPreconditioner(ArgumentsRepr):
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
-        ValueError: an argument outside its range or not finite, a pattern that matches no layer, or
-            two selected layers that share a weight but not their bias.
+        ValueError: an argument outside its range or not finite, a pattern that matches no layer,
+            two selected layers that share a weight but not their bias, an uninitialised lazy layer, or
+            no layer left once the reparametrized ones BNP cannot follow are left alone (README
+            "Reparametrized layers"; each of those gets a ``BNPWarning``).
         RuntimeError: a layer is already managed by another attached preconditioner.
 
     Example (``pre.step(opt)`` instead stores the statistics only if ``opt.step()`` runs)::
@@ -243,7 +251,9 @@ class BNPPreconditioner(ArgumentsRepr):
         self.bias_correction = bias_correction
         self.sync_statistics = sync_statistics
         self.process_group = process_group
-        selected = select_layer_kinds(model, layer_types, include, exclude)
+        chosen = select_layer_kinds(model, layer_types, include, exclude)
+        kept = manageable({name: module for name, (module, _) in chosen.items()}, BNPWarning)
+        selected = {name: chosen[name] for name in kept}
         self.layers: dict[str, _Layer] = make_layers(
             model, selected, rho=rho, bias_correction=bias_correction, conv_statistics=conv_statistics
         )
@@ -289,7 +299,7 @@ class BNPPreconditioner(ArgumentsRepr):
         for layer in self.layers.values():
             for module in layer.modules.values():
                 _OWNERS[module] = weakref.ref(self)
-                self._handles.append(module.register_forward_hook(self._make_hook(layer), with_kwargs=True))
+                self._handles.append(register_forward_hook(module, self._make_hook(layer), with_kwargs=True))
 
     def detach(self) -> None:
         """Remove the forward hooks and the optimizers' commit hooks; drop statistics of an unfinished
@@ -306,6 +316,25 @@ class BNPPreconditioner(ArgumentsRepr):
                 owner = _OWNERS.get(module)
                 if owner is not None and owner() is self:
                     del _OWNERS[module]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For ``pickle`` and ``copy.deepcopy``: hook handles, pending commits and caches stay behind (a copy of the
+        model carries no BNP hooks: ``core/copies.py``); an attached preconditioner re-attaches to its copied
+        modules in :meth:`__setstate__`."""
+        if self.process_group is not None:
+            raise TypeError(
+                "a BNPPreconditioner with an explicit `process_group` cannot be pickled or copied (a process "
+                "group is bound to this process); build a new one in the other process"
+            )
+        state = dict(self.__dict__)
+        state.update(_handles=[], _commit_hooks={}, _pending={}, _layouts={}, _was_attached=self.attached)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        attached = state.pop("_was_attached", False)
+        self.__dict__.update(state)
+        if attached:
+            self.attach()
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -406,12 +435,14 @@ class BNPPreconditioner(ArgumentsRepr):
             layers = self._layer_list
         else:
             ids = {id(p) for p in params}
-            layers = [layer for layer in self.layers.values() if id(layer.weight) in ids]
+            layers = [layer for layer in self.layers.values() if id(layer.weight) in ids or self._left_alone(layer)]
         # a layer with no gradient this step did not contribute to it: its statistics are dropped
         active, grads = [], []
         for layer in layers:
             grad = layer.weight.grad
-            if grad is not None and not self._transformed_already(layer, grad):
+            if grad is None:
+                self._left_alone(layer)
+            elif not self._transformed_already(layer, grad):
                 active.append(layer)
                 grads.append(grad)
         pooled = self._pool(active)
@@ -433,6 +464,13 @@ class BNPPreconditioner(ArgumentsRepr):
         if commit:
             pending.commit()
         return pending
+
+    def _left_alone(self, layer: _Layer) -> bool:
+        """False; names (once) a layer reparametrized since setup in a way BNP cannot follow (README
+        'Reparametrized layers'): its weight leaf is then ``NO_LEAF`` and it is skipped like a frozen layer."""
+        if layer.weight is NO_LEAF:
+            self._warn(layer, "reparametrized", f"{_REPARAMETRIZED}: {unsupported(layer.module)}.")
+        return False
 
     def _transformed_already(self, layer: _Layer, grad: Tensor) -> bool:
         """Whether the weight's gradient is the one the previous step transformed, unchanged since."""
@@ -638,6 +676,15 @@ class BNPPreconditioner(ArgumentsRepr):
             length, layer = layer_state["mean_acc"].numel(), self.layers[name]
             if length != layer.features:
                 was = (saved_settings or {}).get("conv_statistics", "channel")
+                columns = bool(getattr(layer.kind, "columns", False))
+                if "conv_statistics" not in layer.kind.options or columns == (was == "column"):
+                    unit = "input features" if layer.kind.dense else "columns" if columns else "input channels"
+                    raise ValueError(
+                        f"BNP statistics of layer {name!r} have {length} entries, but the layer "
+                        f"({type(layer.module).__name__}) has {layer.features} {unit}: the state was saved from "
+                        "a model whose layer has another shape. Load it into the same architecture, or start "
+                        "without the BNP state."
+                    )
                 raise ValueError(
                     f"BNP statistics of layer {name!r} have {length} entries, but it has {layer.features} with "
                     f"conv_statistics={self.conv_statistics!r} (saved with conv_statistics={was!r}); per-channel "

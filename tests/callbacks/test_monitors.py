@@ -30,14 +30,8 @@ from lightning_bnp.callbacks._logging import MAX_CHARTS, heatmap_image, layer_ch
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.condition_monitor import ConditionNumberMonitor
 from lightning_bnp.callbacks.timing_monitor import TimingMonitor
+from lightning_bnp.core.conditioning import Equilibration
 from tests.helpers import BoringClassifier, _fit, make_cnn, make_data, make_mlp
-
-
-class ColumnNorm(nn.Module):
-    """A stand-in for Weight Conditioning: unit-norm columns."""
-
-    def forward(self, w: Tensor) -> Tensor:
-        return w / w.norm(dim=0, keepdim=True)
 
 
 class LoggingClassifier(BoringClassifier):
@@ -80,7 +74,8 @@ def everything_on(**kwargs: Any) -> ConditionNumberMonitor:
 
 def test_tags_are_logged_grouped_by_kind_and_layer_and_finite(tmp_path: Path) -> None:
     net = bn_net()
-    parametrize.register_parametrization(net[0], "weight", ColumnNorm())
+    # Weight Conditioning (BNP leaves any other parametrization alone: README "Reparametrized layers")
+    parametrize.register_parametrization(net[0], "weight", Equilibration("row"))
     callbacks = [everything_on(every_n_steps=2), BatchNormPreconditioning(), TimingMonitor(every_n_steps=2)]
     trainer = _fit(tmp_path, LoggingClassifier(net), make_data(), batch_size=16, callbacks=callbacks, max_steps=4,
                    logger=TensorBoardLogger(tmp_path))  # fmt: skip
@@ -104,7 +99,7 @@ def test_tags_are_logged_grouped_by_kind_and_layer_and_finite(tmp_path: Path) ->
     }
     assert expected <= set(logged), expected - set(logged)
     assert "bnp/effective_lr/network.4" not in logged and "bnp/weight_kappa/network.4/conditioned" not in logged
-    # Linear → ReLU → BatchNorm1d, but ColumnNorm(c·W) = ColumnNorm(W) while b scales: (W, b) is not scale-invariant
+    # Linear → ReLU → BatchNorm1d, but E(c·W) = E(W) (equilibration) while b scales: (W, b) is not scale-invariant
     assert not [tag for tag in logged if tag.startswith(("bnp/effective_lr", "bnp/weight_norm_sq"))]
     for tag in expected:
         assert [step for step, _ in logged[tag]] == [0, 2], tag

@@ -1,0 +1,150 @@
+"""Copies and pickles of a model with BNP attached (issue 25, items 2 and 3).
+
+A copy of the model alone (``copy.deepcopy``: EMA / teacher copies, ``AveragedModel``; ``pickle``) carries no
+BNP hook and never feeds the original's statistics; ``BNPPreconditioner(copy)`` manages it on its own. A
+preconditioner copied or pickled together with its model goes on exactly as the original.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
+
+from lightning_bnp.core import BNPPreconditioner
+from tests.helpers import make_cnn, make_mlp
+
+
+def batch(seed: int, n: int = 8) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g) * torch.logspace(-1, 1, 6) + 0.5, torch.randint(0, 3, (n,), generator=g)
+
+
+def train(model: nn.Module, pre: BNPPreconditioner, opt: torch.optim.Optimizer, seeds: range) -> None:
+    for seed in seeds:
+        x, y = batch(seed)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step(opt)
+        opt.step()
+
+
+def running(pre: BNPPreconditioner) -> dict[str, Tensor]:
+    return {
+        f"{n}.{k}": v
+        for n, layer in pre.layers.items()
+        for k, v in layer.running.state_dict().items()
+        if isinstance(v, Tensor)
+    }
+
+
+def via_torch_save(obj: Any) -> Any:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+COPIES: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+    "torch.save": via_torch_save,
+    "AveragedModel": lambda m: AveragedModel(m).module,  # SWA / EMA: a deepcopy inside
+}
+
+
+@pytest.mark.parametrize("how", list(COPIES))
+def test_a_copy_of_the_model_never_feeds_the_originals_statistics(how: str) -> None:
+    model = make_mlp()
+    pre = BNPPreconditioner(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, pre, opt, range(2))
+    twin = COPIES[how](model)
+    state = {k: v.clone() for k, v in running(pre).items()}
+    x, y = batch(7)
+    F.cross_entropy(twin(x * 100), y).backward()  # a teacher/EMA forward and backward through the copy
+    assert all(layer.moments is None for layer in pre.layers.values())
+    train(model, pre, opt, range(2, 3))  # the original's next step sees only its own batch
+    reference = make_mlp()
+    ref_pre = BNPPreconditioner(reference)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    train(reference, ref_pre, ref_opt, range(3))
+    for k, v in running(ref_pre).items():
+        torch.testing.assert_close(running(pre)[k], v, rtol=0, atol=0)
+    assert state  # (statistics had been updated before the copy)
+
+
+def test_a_copy_is_managed_on_its_own() -> None:
+    model = make_mlp()
+    pre = BNPPreconditioner(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, pre, opt, range(2))
+    twin = copy.deepcopy(model)
+    twin_pre = BNPPreconditioner(twin)  # not refused as "already managed", and the copy's old hooks are gone
+    assert all(len(m._forward_hooks) == 1 for m in (twin[0], twin[2]))
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    train(twin, twin_pre, twin_opt, range(2, 4))
+    assert all(layer.running.steps == 2 for layer in twin_pre.layers.values())
+    assert all(layer.running.steps == 2 for layer in pre.layers.values())  # the original: untouched
+
+
+def pair_copies() -> dict[str, Callable[[Any], Any]]:
+    return {
+        "deepcopy": copy.deepcopy,
+        "pickle": lambda pair: pickle.loads(pickle.dumps(pair)),
+        "torch.save": via_torch_save,
+    }
+
+
+@pytest.mark.parametrize("order", ["model first", "preconditioner first"])
+@pytest.mark.parametrize("how", list(pair_copies()))
+@pytest.mark.parametrize("make", [make_mlp, make_cnn], ids=["mlp", "cnn"])
+def test_a_copied_model_and_preconditioner_go_on_exactly_as_the_original(how: str, order: str, make: Any) -> None:
+    model = make()
+    pre = BNPPreconditioner(model, conv_statistics="column")
+    shape = (2, 5, 5) if make is make_cnn else (6,)
+
+    def steps(m: nn.Module, p: BNPPreconditioner, o: torch.optim.Optimizer, seeds: range) -> None:
+        for seed in seeds:
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(4, *shape, generator=g) + 0.5
+            o.zero_grad()
+            F.cross_entropy(m(x), torch.randint(0, 3, (4,), generator=g)).backward()
+            p.step(o)
+            o.step()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    steps(model, pre, opt, range(3))
+    pair = (model, pre, opt) if order == "model first" else (pre, model, opt)
+    copied = pair_copies()[how](pair)
+    model2, pre2, opt2 = (
+        (copied[0], copied[1], copied[2]) if order == "model first" else (copied[1], copied[0], copied[2])
+    )
+    assert pre2.attached and all(layer.module in set(model2.modules()) for layer in pre2.layers.values())
+    steps(model, pre, opt, range(3, 6))
+    steps(model2, pre2, opt2, range(3, 6))
+    for (n, p), (_, p2) in zip(model.named_parameters(), model2.named_parameters()):
+        torch.testing.assert_close(p2, p, rtol=0, atol=0, msg=n)
+    for k, v in running(pre).items():
+        torch.testing.assert_close(running(pre2)[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_preconditioner_alone_pickles_and_deepcopies_before_and_after_steps() -> None:
+    model = make_mlp()
+    pre = BNPPreconditioner(model)
+    for obj in (pre, copy.deepcopy(pre)):
+        pickle.loads(pickle.dumps(obj))
+    train(model, pre, torch.optim.SGD(model.parameters(), lr=0.1), range(2))
+    clone = copy.deepcopy(pre)
+    assert clone.attached and running(clone).keys() == running(pre).keys()
+    pickle.loads(pickle.dumps(pre))
+    pre.detach()
+    assert not pickle.loads(pickle.dumps(pre)).attached
