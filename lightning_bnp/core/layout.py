@@ -40,6 +40,13 @@ class FeatureLayout:
         # 1 on the entries of layers without a bias, 0 elsewhere; None when every layer has one
         self.uncentred_mask = None if all(centred) else self.per_layer([float(not c) for c in centred])
         self._cache: dict[tuple[float, ...], Tensor] = {}
+        # the running state of a step is one vector [m ; v ; d] (d = ρ^t per layer): the layer of each entry
+        layers = torch.arange(len(self.sizes), device=device)
+        self.state_owner = torch.cat([self.owner, self.owner, layers])
+        self.zeros = torch.zeros(len(self.sizes), dtype=dtype, device=device)  # the batch value of d (d ← ρ·d)
+        # the state the previous step left (its flat vectors and the per-layer views it handed out), so that
+        # the next step can start from it without concatenating the layers' tensors again
+        self.last_state: tuple[Tensor, Tensor, list[tuple[Tensor, Tensor, Tensor, Tensor]]] | None = None
 
     def per_layer(self, values: Sequence[float]) -> Tensor:
         """A vector holding ``values[l]`` on every entry of layer l."""
@@ -58,7 +65,11 @@ class FeatureLayout:
 
     def layer_max(self, flat: Tensor) -> Tensor:
         """max over each layer's entries, broadcast back onto them."""
-        return torch.segment_reduce(flat, "max", lengths=self.lengths).index_select(0, self.owner)
+        return self.segment_max(flat).index_select(0, self.owner)
+
+    def segment_max(self, flat: Tensor) -> Tensor:
+        """max over each layer's entries, one per layer (NaN where a layer has a NaN entry)."""
+        return torch.segment_reduce(flat, "max", lengths=self.lengths)
 
     def split(self, flat: Tensor) -> tuple[Tensor, ...]:
         """Per-layer views of a flat vector (no copy)."""

@@ -32,9 +32,14 @@ logging — adds nothing, and the forward that non-reentrant activation checkpoi
 during the backward is not counted twice (its recomputed graph is never back-propagated).
 
 Non-finite statistics. A step whose pooled moments of a layer are not finite (a NaN or Inf sample)
-does not update that layer's running statistics: P of that step is built from the statistics
-committed before it, and a :class:`BNPWarning` names the layer (once). One host synchronisation per
-step reads the finiteness flags of all layers together.
+does not update that layer's running statistics (nor its step count): P of that step is built from the
+statistics committed before it. Finite inputs whose squares overflow the dtype (|h| ≳ 1.8e19 in float32)
+give a σ²_H that is saturated at ``finfo.max·2⁻²⁴`` instead (the statistics keep following the data).
+Neither needs the host: the choice is a ``torch.where`` on the device and the step never reads a value
+back (no host synchronisation, so the host runs ahead of the device). The :class:`BNPWarning` that names
+the layer and the cause (once per layer and cause) is raised by the *next* step, from a host copy of the
+step's per-layer max σ²_H (non-blocking on CUDA, read only once it has arrived), or by
+:meth:`BNPPreconditioner.flush_warnings` and ``detach()``.
 
 Layers sharing one weight (``dec.weight = enc.weight``) are one layer for BNP, as a module called
 twice is: their statistics are pooled and the shared gradient is transformed once. They must share
@@ -128,7 +133,8 @@ class PendingUpdate:
     ``GradScaler`` skips (non-finite gradients) leaves the statistics untouched.
     """
 
-    items: list[tuple[RunningStatistics, tuple[Tensor, Tensor, int]]] = field(default_factory=list)
+    # (statistics, (m, v, t, ρ^t)): t and ρ^t as (1,) device tensors
+    items: list[tuple[RunningStatistics, tuple[Tensor, Tensor, Tensor, Tensor]]] = field(default_factory=list)
 
     def commit(self) -> None:
         for running, state in self.items:
@@ -147,20 +153,42 @@ _TWICE = (
     "since; it is left as it is (one transform per gradient). Call step() once per backward."
 )
 _NON_FINITE = (
-    "the step's input statistics are not finite (a NaN or Inf in the batch); its running statistics "
+    "a step's input statistics were not finite (a NaN or Inf in the batch); its running statistics "
     "are not updated in such a step and P uses the ones stored before it."
 )
+_NON_FINITE_BATCH = (
+    "a step's input statistics were not finite (a NaN or Inf in the batch); with statistics='batch' that "
+    "step's P, and so the layer's gradient, is not finite."
+)
+
+
+_OVERFLOW = (
+    "the step's input variance σ²_H overflows {dtype} (finite inputs of magnitude above ~{root:.1e}, whose "
+    "squares are not representable); it is saturated at {ceiling:.1e} for that step, so σ² and P of this layer "
+    "are not exact while inputs stay that large. Rescale the layer's input (normalize the data), or use float64."
+)
+
+
+def _ceiling(dtype: torch.dtype) -> float:
+    """The largest σ²_H a step stores: far enough below the dtype's maximum that σ̃² and q²·σ̃² stay finite
+    (q² up to 2^24)."""
+    return torch.finfo(dtype).max * 2.0**-24
+
+
+def _host_copy(flat: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """A host copy of a small device vector that never makes the host wait: on CUDA a non-blocking copy
+    into pinned memory and an event that says when it has arrived; on the CPU the vector itself."""
+    if flat.device.type != "cuda":
+        return flat, None
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
 
 
 def _parameters(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _accumulator_states(after: Tensor, layout: FeatureLayout, steps: list[int]) -> list[tuple[Tensor, Tensor, int]]:
-    """Per-layer (m, v, t) views of the flat accumulators ``[m ; v]``."""
-    views = after.split_with_sizes(layout.sizes + layout.sizes)
-    count = len(layout.sizes)
-    return list(zip(views[:count], views[count:], steps))
 
 
 class BNPPreconditioner(ArgumentsRepr):
@@ -253,6 +281,8 @@ class BNPPreconditioner(ArgumentsRepr):
         self._pending: dict[int, PendingUpdate] = {}  # per optimizer, committed by its step post-hook
         self._commit_hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._layouts: dict[tuple[Any, ...], FeatureLayout] = {}
+        # per step: the layers and a host copy of their per-layer max σ²_H, read by a later step (_report)
+        self._unreported: list[tuple[list[_Layer], tuple[Tensor, torch.cuda.Event | None]]] = []
         self.attach()
 
     _repr_skip = ("model",)
@@ -290,7 +320,9 @@ class BNPPreconditioner(ArgumentsRepr):
 
     def detach(self) -> None:
         """Remove the forward hooks and the optimizers' commit hooks; drop statistics of an unfinished
-        step (forwards that ran before this call never count)."""
+        step (forwards that ran before this call never count). Raises the warnings that the last steps'
+        statistics still owe (:meth:`flush_warnings`)."""
+        self.flush_warnings()
         for handle in [*self._handles, *self._commit_hooks.values()]:
             handle.remove()
         self._handles.clear()
@@ -383,6 +415,7 @@ class BNPPreconditioner(ArgumentsRepr):
         gradient that the previous call transformed and no backward has changed since is left as it
         is (with a warning): the transform is applied once per gradient.
         """
+        self._report()
         if params is None:
             layers = self._layer_list
         else:
@@ -426,8 +459,7 @@ class BNPPreconditioner(ArgumentsRepr):
     def _transform(self, ready: list[tuple[_Layer, Moments, Tensor]], pending: PendingUpdate) -> None:
         """Steps 2–4 for every layer of the step at once (flat statistics, ``torch._foreach_*`` gradients)."""
         layout = self._layout([layer for layer, _, _ in ready], ready[0][1].mean)
-        mu, var = self._statistics_for_step(ready, layout, pending)
-        var_t = var_tilde(var, self.eps1, self.eps2, maxima=layout.layer_max(var))
+        mu, var_t = self._statistics_for_step(ready, layout, pending)
         grads_b, q2s, groups = [], [], []
         for layer, m, _ in ready:
             grads_b.append(layer.bias.grad if layer.has_bias else None)  # type: ignore[union-attr]
@@ -456,14 +488,20 @@ class BNPPreconditioner(ArgumentsRepr):
     def _statistics_for_step(
         self, ready: list[tuple[_Layer, Moments, Tensor]], layout: FeatureLayout, pending: PendingUpdate
     ) -> tuple[Tensor, Tensor]:
-        """μ and σ² that P uses this step (Alg. 2/3 steps 1–2), all layers in one flat vector each."""
+        """μ and σ̃² that P uses this step (Alg. 2/3 steps 1–3), all layers in one flat vector each.
+
+        No value is read back to the host: the choice to keep a layer's stored statistics when this step's
+        moments are not finite is a ``torch.where`` on the device, and the step count t and ρ^t of every
+        layer live there too. What the step saw is reported by the next one (:meth:`_report`).
+        """
         moments = [m for _, m, _ in ready]
         total = layout.total
-        # [μ_H ; σ²_H] of every layer
-        batch = torch.cat([m.mean for m in moments] + [m.var for m in moments])
-        mu_h, var_h = batch[:total], batch[total:]
+        running = self.statistics == "running"
+        # [μ_H ; σ²_H ; 0] of every layer (0: the batch value of d = ρ^t, so that d ← ρ·d in the same update)
+        batch = torch.cat([m.mean for m in moments] + [m.var for m in moments] + ([layout.zeros] if running else []))
+        mu_h, var_h = batch[:total], batch[total : 2 * total]
         single = [i for i, m in enumerate(moments) if m.rows == 1]
-        if single and self.statistics == "batch":
+        if single and not running:
             raise ValueError(
                 f"statistics='batch' needs more than one row of input per step, but layer "
                 f"{ready[single[0]][0].name!r} saw 1; use statistics='running' for batch size 1"
@@ -477,53 +515,78 @@ class BNPPreconditioner(ArgumentsRepr):
             mu_uncentred = mu_h * layout.uncentred_mask
             var_h.addcmul_(mu_uncentred, mu_uncentred)
             mu_h.sub_(mu_uncentred)
-        if self.statistics == "batch":
-            return mu_h, var_h
+        # per layer max σ²_H: NaN when a sample was NaN or ±Inf (σ²_H is computed from centred values, so a
+        # non-finite μ_H makes it NaN too), +Inf when finite inputs' squares overflow the dtype
+        peak = layout.segment_max(var_h)
+        self._unreported.append(([layer for layer, _, _ in ready], _host_copy(peak)))
+        var_h.clamp_(max=_ceiling(var_h.dtype))  # an overflowed σ²_H saturates (the warning says so)
+        if not running:
+            return mu_h, var_tilde(var_h, self.eps1, self.eps2, maxima=layout.layer_max(var_h))
         runnings = [layer.running for layer, _, _ in ready]
-        # [m ; v] accumulators, m ← ρm + (1−ρ)μ_H, v ← ρv + (1−ρ)σ²_H
-        before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings])
-        if before.device != batch.device or before.dtype != batch.dtype:  # the model was moved or cast
-            for running in runnings:
-                running.to(batch.device, batch.dtype)
-            before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings])
-        after = ema_update(before, batch, self.rho)
-        steps = [r.steps + 1 for r in runnings]
-        # a NaN/Inf sample somewhere (or a float32 overflow of the sum: then the per-layer check finds all finite)
-        if not math.isfinite(batch.sum().item()):
-            self._keep_non_finite(ready, layout, batch, before, after, steps)
-        pending.items.extend(zip(runnings, _accumulator_states(after, layout, steps)))
-        scale: float | Tensor
-        shift: float | Tensor
-        if steps.count(steps[0]) == len(steps):  # every layer at the same step t: scalars
-            scale, shift = runnings[0].view_coefficients(steps[0])
-        else:
-            coefficients = [running.view_coefficients(t) for running, t in zip(runnings, steps)]
-            scale = layout.per_layer([scale for scale, _ in coefficients])
-            shift = layout.per_layer([shift for _, shift in coefficients])
+        before, steps_before = self._state_before(runnings, layout, batch)
+        after = ema_update(before, batch, self.rho)  # [m ; v ; d] ← ρ[m ; v ; d] + (1−ρ)[μ_H ; σ²_H ; 0]
+        # a layer whose moments are not finite keeps its state (and step count): P uses what was stored
+        finite = peak == peak
+        after = torch.where(finite.index_select(0, layout.state_owner), after, before)
+        steps = steps_before + finite
+        mean_acc, var_acc, decay = after[:total], after[total : 2 * total], after[2 * total :]
+        views = list(zip(layout.split(mean_acc), layout.split(var_acc), steps.split(1), decay.split(1)))
+        layout.last_state = (after, steps, views)
+        pending.items.extend(zip(runnings, views))
         if self.bias_correction:  # μ = m/(1 − ρ^t), σ² = v/(1 − ρ^t)
-            view = after * (scale if isinstance(scale, float) else scale.repeat(2))
-            return view[:total], view[total:]
-        return after[:total], after[total:] + shift  # the paper's view: μ = m, σ² = v + ρ^t
+            scale = torch.reciprocal(1.0 - decay).index_select(0, layout.owner)
+            mu, var = mean_acc * scale, var_acc * scale
+            return mu, var_tilde(var, self.eps1, self.eps2, maxima=layout.layer_max(var))
+        # the paper's view σ² = v + ρ^t; σ̃² = σ² + ε1·max σ² + ε2 = v + ε1·(max v + d·(1 + ε1)/ε1 + ε2/ε1)
+        floor = torch.add(layout.segment_max(var_acc), decay, alpha=(1.0 + self.eps1) / self.eps1)
+        floor.add_(self.eps2 / self.eps1)
+        return mean_acc, torch.add(var_acc, floor.index_select(0, layout.owner), alpha=self.eps1)
 
-    def _keep_non_finite(
-        self,
-        ready: list[tuple[_Layer, Moments, Tensor]],
-        layout: FeatureLayout,
-        batch: Tensor,
-        before: Tensor,
-        after: Tensor,
-        steps: list[int],
-    ) -> None:
-        """Layers whose batch statistics are not finite keep their committed accumulators (and step count)."""
-        total = layout.total
-        for i, (layer, _, _) in enumerate(ready):
-            part = layout.slice(i)
-            var_part = slice(part.start + total, part.stop + total)
-            if torch.isfinite(batch[part]).all() and torch.isfinite(batch[var_part]).all():
-                continue
-            after[part], after[var_part] = before[part], before[var_part]
-            steps[i] -= 1
-            self._warn(layer, "non-finite", _NON_FINITE)
+    def _state_before(
+        self, runnings: list[RunningStatistics], layout: FeatureLayout, batch: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The committed ``[m ; v ; d]`` of every layer and their step counts, as flat vectors: the previous
+        step's own vectors when every layer still holds the views it handed out (no copy), else gathered."""
+        last = layout.last_state
+        if last is not None and all(
+            r.mean_acc is m and r.var_acc is v and r._steps is t and r.decay is d
+            for r, (m, v, t, d) in zip(runnings, last[2])
+        ):
+            return last[0], last[1]
+        for running in runnings:  # the model was moved or cast
+            running.to(batch.device, batch.dtype)
+        before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings] + [r.decay for r in runnings])
+        steps = torch.cat(
+            [
+                r._steps if isinstance(r._steps, Tensor) else torch.tensor([r._steps], device=batch.device)
+                for r in runnings
+            ]
+        )
+        return before, steps
+
+    def _report(self) -> None:
+        """Warn about the layers whose statistics a past step found not finite or out of range, from the
+        host copies of their per-layer max σ²_H — only those whose copy has arrived (a step never waits)."""
+        while self._unreported:
+            layers, (host, done) = self._unreported[0]
+            if done is not None and not done.query():
+                return
+            self._unreported.pop(0)
+            for layer, peak in zip(layers, host.numpy().tolist()):
+                if math.isnan(peak):
+                    self._warn(layer, "non-finite", _NON_FINITE if self.statistics == "running" else _NON_FINITE_BATCH)
+                elif math.isinf(peak):
+                    root, name = math.sqrt(torch.finfo(host.dtype).max), str(host.dtype).removeprefix("torch.")
+                    message = _OVERFLOW.format(dtype=name, root=root, ceiling=_ceiling(host.dtype))
+                    self._warn(layer, "overflow", message)
+
+    def flush_warnings(self) -> None:
+        """Raise now the warnings about non-finite or overflowing statistics that the steps so far have
+        found (normally raised by the next step); waits for the device."""
+        for _, (_, done) in self._unreported:
+            if done is not None:
+                done.synchronize()
+        self._report()
 
     def _pool(self, layers: list[_Layer]) -> list[Moments]:
         """This step's moments per layer, pooled over ranks when syncing (one collective)."""

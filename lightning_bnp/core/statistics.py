@@ -286,7 +286,21 @@ class RunningStatistics:
         self.bias_correction = bias_correction
         self.mean_acc = torch.zeros(features, dtype=dtype, device=device)
         self.var_acc = torch.zeros(features, dtype=dtype, device=device)
-        self.steps = 0
+        # ρ^t, kept on the device next to the accumulators (the step updates it with them, d ← ρ·d)
+        self.decay = torch.ones(1, dtype=dtype, device=device)
+        self._steps: int | Tensor = 0  # t: a host int, or a (1,) int64 tensor that the step counts on the device
+
+    @property
+    def steps(self) -> int:
+        """The number of updates t. After a step it lives on the device (a step whose statistics were not
+        finite does not count, and which one that was is decided there): reading it waits for the device."""
+        steps = self._steps
+        return steps if isinstance(steps, int) else int(steps.item())
+
+    @steps.setter
+    def steps(self, steps: int) -> None:
+        self._steps = steps
+        self.decay = torch.full((1,), self.rho**steps, dtype=self.mean_acc.dtype, device=self.mean_acc.device)
 
     def view_coefficients(self, steps: int) -> tuple[float, float]:
         """(scale, shift) with μ = scale·m_t and σ² = scale·v_t + shift, for t ≥ 1."""
@@ -321,17 +335,31 @@ class RunningStatistics:
         """Accumulator state after one step with batch statistics (μ_H, σ²_H); does not commit."""
         return ema_update(self.mean_acc, mu_h, self.rho), ema_update(self.var_acc, var_h, self.rho), self.steps + 1
 
-    def assign(self, mean_acc: Tensor, var_acc: Tensor, steps: int) -> None:
-        self.mean_acc, self.var_acc, self.steps = mean_acc, var_acc, steps
+    def assign(self, mean_acc: Tensor, var_acc: Tensor, steps: int | Tensor, decay: Tensor | None = None) -> None:
+        """Store an accumulator state; ``steps`` and ``decay`` (ρ^t, shape (1,)) may be device tensors."""
+        if decay is None:
+            assert isinstance(steps, int)
+            self.mean_acc, self.var_acc, self.steps = mean_acc, var_acc, steps
+        else:
+            self.mean_acc, self.var_acc, self._steps, self.decay = mean_acc, var_acc, steps, decay
 
     def to(self, device: torch.device, dtype: torch.dtype) -> None:
         """Follow the model when it is moved or cast after set-up."""
         if self.mean_acc.device != device or self.mean_acc.dtype != dtype:
             self.mean_acc = self.mean_acc.to(device, dtype)
             self.var_acc = self.var_acc.to(device, dtype)
+            self.decay = self.decay.to(device, dtype)
+            if isinstance(self._steps, Tensor):
+                self._steps = self._steps.to(device)
 
     def state_dict(self) -> dict[str, object]:
-        return {"mean_acc": self.mean_acc.cpu().clone(), "var_acc": self.var_acc.cpu().clone(), "steps": self.steps}
+        # ρ^t as the steps computed it (d ← ρ·d in the statistics' dtype), so that a resumed run is bit-identical
+        return {
+            "mean_acc": self.mean_acc.cpu().clone(),
+            "var_acc": self.var_acc.cpu().clone(),
+            "steps": self.steps,
+            "decay": self.decay.cpu().clone(),
+        }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         mean_acc, var_acc = state["mean_acc"], state["var_acc"]
@@ -344,7 +372,10 @@ class RunningStatistics:
         device, dtype = self.mean_acc.device, self.mean_acc.dtype
         self.mean_acc = mean_acc.to(device=device, dtype=dtype).clone()
         self.var_acc = var_acc.to(device=device, dtype=dtype).clone()
-        self.steps = int(state["steps"])  # type: ignore[call-overload]
+        self.steps = int(state["steps"])  # type: ignore[call-overload]  # sets ρ^t too
+        decay = state.get("decay")  # absent from states saved before issue 28: ρ^t from t
+        if isinstance(decay, Tensor):
+            self.decay = decay.to(device=device, dtype=dtype).reshape(1).clone()
 
 
 def ema_update(accumulator: Tensor, batch: Tensor, rho: float) -> Tensor:
