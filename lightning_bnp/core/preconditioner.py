@@ -175,6 +175,11 @@ def _ceiling(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max * 2.0**-24
 
 
+def _is_zero(count: int | Tensor) -> bool:
+    """Whether a local count is 0 (local counts are host ints; a tensor one is never read)."""
+    return isinstance(count, int) and count == 0
+
+
 def _host_copy(flat: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
     """A host copy of a small device vector that never makes the host wait: on CUDA a non-blocking copy
     into pinned memory and an event that says when it has arrived; on the CPU the vector itself."""
@@ -282,7 +287,8 @@ class BNPPreconditioner(ArgumentsRepr):
         self._commit_hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._layouts: dict[tuple[Any, ...], FeatureLayout] = {}
         # per step: the layers and a host copy of their per-layer max σ²_H, read by a later step (_report)
-        self._unreported: list[tuple[list[_Layer], tuple[Tensor, torch.cuda.Event | None]]] = []
+        self._unreported: list[tuple[list[_Layer | None], tuple[Tensor, torch.cuda.Event | None]]] = []
+        self._not_run_here: set[str] = set()  # this step's layers whose forward did not run on this rank
         self.attach()
 
     _repr_skip = ("model",)
@@ -428,16 +434,19 @@ class BNPPreconditioner(ArgumentsRepr):
             if grad is not None and not self._transformed_already(layer, grad):
                 active.append(layer)
                 grads.append(grad)
+        ran_here = [layer.moments is not None and not _is_zero(layer.moments.rows) for layer in active]
+        self._not_run_here = {layer.name for layer, ran in zip(active, ran_here) if not ran}
         pooled = self._pool(active)
         for layer in layers:
             layer.moments = None
             layer.transform = None
         pending = PendingUpdate()
         ready = []
-        for layer, m, grad in zip(active, pooled, grads):
-            if m.rows > 0:
+        for layer, m, grad, ran in zip(active, pooled, grads, ran_here):
+            # pooled over ranks, the count is on the device: a layer no rank ran gets M = I there (_transform)
+            if isinstance(m.rows, Tensor) or m.rows > 0:
                 ready.append((layer, m, grad))
-            else:
+            if not ran:
                 self._warn(layer, "never ran", _NEVER_RAN)
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[_Layer, Moments, Tensor]]] = {}
         for item in ready:  # one flat layout per device and dtype (usually a single group)
@@ -460,17 +469,43 @@ class BNPPreconditioner(ArgumentsRepr):
         """Steps 2–4 for every layer of the step at once (flat statistics, ``torch._foreach_*`` gradients)."""
         layout = self._layout([layer for layer, _, _ in ready], ready[0][1].mean)
         mu, var_t = self._statistics_for_step(ready, layout, pending)
-        grads_b, q2s, groups = [], [], []
-        for layer, m, _ in ready:
+        grads_b, groups = [], []
+        for layer, _, _ in ready:
             grads_b.append(layer.bias.grad if layer.has_bias else None)  # type: ignore[union-attr]
-            q2s.append(q_squared(layer.fan_in, m.samples, m.out_positions / m.samples))
             groups.append(layer.groups)
+        q2s: list[Any]
+        if any(isinstance(m.rows, Tensor) for _, m, _ in ready):  # counts pooled over ranks, on the device
+            mu, var_t, q2s, q2_flat = self._pooled_identity_and_q2(ready, layout, mu, var_t)
+        else:
+            q2s = [
+                q_squared(layer.fan_in, int(m.samples), int(m.out_positions) / int(m.samples)) for layer, m, _ in ready
+            ]
+            q2_flat = layout.per_layer_cached(q2s)
         mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
-        scales = layout.split(var_t * layout.per_layer_cached(q2s))  # q²σ̃², all layers in one product
+        scales = layout.split(var_t * q2_flat)  # q²σ̃², all layers in one product
         precondition_scaled_([grad for _, _, grad in ready], grads_b, mus, scales, q2s, groups)
         for (layer, _, grad_w), mu_l, var_t_l, q2 in zip(ready, mus, layout.split(var_t), q2s):
             layer.transform = StepTransform(mu_l, var_t_l, q2, layer.groups)
             layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)
+
+    def _pooled_identity_and_q2(
+        self, ready: list[tuple[_Layer, Moments, Tensor]], layout: FeatureLayout, mu: Tensor, var_t: Tensor
+    ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
+        """q² from counts pooled over ranks (device tensors), and M = I (μ = 0, σ̃² = 1, q² = 1) for a layer
+        that no rank ran this step — decided on the device, so that every rank does the same without a read."""
+        rows = torch.stack([torch.as_tensor(m.rows, dtype=torch.float64, device=mu.device) for _, m, _ in ready])
+        samples = torch.stack([torch.as_tensor(m.samples, dtype=torch.float64, device=mu.device) for _, m, _ in ready])
+        positions = torch.stack(
+            [torch.as_tensor(m.out_positions, dtype=torch.float64, device=mu.device) for _, m, _ in ready]
+        )
+        fan_in = torch.tensor([layer.fan_in for layer, _, _ in ready], dtype=torch.float64, device=mu.device)
+        ran = rows > 0
+        per_sample = samples.clamp_min(1.0)
+        q2 = torch.where(ran, torch.maximum(fan_in / per_sample, (positions / per_sample).sqrt()), 1.0).to(mu.dtype)
+        ran_flat = ran.index_select(0, layout.owner)
+        mu = torch.where(ran_flat, mu, 0.0)
+        var_t = torch.where(ran_flat, var_t, 1.0)
+        return mu, var_t, list(q2.unbind(0)), q2.index_select(0, layout.owner)
 
     def _layout(self, layers: list[_Layer], like: Tensor) -> FeatureLayout:
         """The flat layout of ``layers``' features, built once per set of layers, device and dtype."""
@@ -500,25 +535,35 @@ class BNPPreconditioner(ArgumentsRepr):
         # [μ_H ; σ²_H ; 0] of every layer (0: the batch value of d = ρ^t, so that d ← ρ·d in the same update)
         batch = torch.cat([m.mean for m in moments] + [m.var for m in moments] + ([layout.zeros] if running else []))
         mu_h, var_h = batch[:total], batch[total : 2 * total]
-        single = [i for i, m in enumerate(moments) if m.rows == 1]
+        single = [i for i, m in enumerate(moments) if not isinstance(m.rows, Tensor) and m.rows == 1]
         if single and not running:
             raise ValueError(
                 f"statistics='batch' needs more than one row of input per step, but layer "
                 f"{ready[single[0]][0].name!r} saw 1; use statistics='running' for batch size 1"
             )
-        for i in single:  # N = 1: σ²_H = (h − μ)² with the running μ before this step's update
+        for i, m in enumerate(moments):  # N = 1: σ²_H = (h − μ)² with the running μ before this step's update
             layer = ready[i][0]
-            if layer.has_bias:
+            if layer.has_bias and running and (i in single or isinstance(m.rows, Tensor)):
                 part = layout.slice(i)
-                var_h[part] = (mu_h[part] - layer.running.mu.to(mu_h.device, mu_h.dtype)).square()
+                running_mu = layer.running.device_mu().to(mu_h.device, mu_h.dtype)
+                one_row = (mu_h[part] - running_mu).square()
+                # pooled over ranks the count is on the device: the rule applies where it is 1
+                var_h[part] = (
+                    one_row if i in single else torch.where(torch.as_tensor(m.rows == 1), one_row, var_h[part])
+                )
         if layout.uncentred_mask is not None:  # no bias: uncentred second moment σ²_H + μ_H², and μ stays 0
             mu_uncentred = mu_h * layout.uncentred_mask
             var_h.addcmul_(mu_uncentred, mu_uncentred)
             mu_h.sub_(mu_uncentred)
         # per layer max σ²_H: NaN when a sample was NaN or ±Inf (σ²_H is computed from centred values, so a
         # non-finite μ_H makes it NaN too), +Inf when finite inputs' squares overflow the dtype
+        if any(isinstance(m.rows, Tensor) for m in moments):  # pooled over ranks: a layer no rank ran keeps its state
+            rows = torch.stack([torch.as_tensor(m.rows, device=var_h.device) for m in moments])
+            var_h.copy_(torch.where((rows == 0).index_select(0, layout.owner), math.nan, var_h))
         peak = layout.segment_max(var_h)
-        self._unreported.append(([layer for layer, _, _ in ready], _host_copy(peak)))
+        # (a layer this rank never ran has had its own warning: a NaN there is not reported again)
+        reported = [layer if layer.name not in self._not_run_here else None for layer, _, _ in ready]
+        self._unreported.append((reported, _host_copy(peak)))
         var_h.clamp_(max=_ceiling(var_h.dtype))  # an overflowed σ²_H saturates (the warning says so)
         if not running:
             return mu_h, var_tilde(var_h, self.eps1, self.eps2, maxima=layout.layer_max(var_h))
@@ -573,6 +618,8 @@ class BNPPreconditioner(ArgumentsRepr):
                 return
             self._unreported.pop(0)
             for layer, peak in zip(layers, host.numpy().tolist()):
+                if layer is None:
+                    continue
                 if math.isnan(peak):
                     self._warn(layer, "non-finite", _NON_FINITE if self.statistics == "running" else _NON_FINITE_BATCH)
                 elif math.isinf(peak):

@@ -54,9 +54,9 @@ class Moments:
         var: per-feature biased (1/n) variance σ²_H of eq. 13 / 22, same dtype.
     """
 
-    rows: int
-    samples: int
-    out_positions: int
+    rows: int | Tensor
+    samples: int | Tensor
+    out_positions: int | Tensor
     mean: Tensor
     var: Tensor
 
@@ -66,7 +66,12 @@ class Moments:
         return self.var * self.rows
 
     def merge(self, other: Moments) -> Moments:
-        """Combine two disjoint parts (Chan, Golub & LeVeque pairwise update)."""
+        """Combine two disjoint parts (Chan, Golub & LeVeque pairwise update).
+
+        Counts that are tensors (pooled from other ranks, :meth:`unpack`) stay on the device: the merge then
+        reads nothing back to the host (two empty parts give an empty part with μ = σ² = 0)."""
+        if isinstance(self.rows, Tensor) or isinstance(other.rows, Tensor):
+            return self._merge_on_device(other)
         if other.rows == 0:
             return self
         if self.rows == 0:
@@ -79,23 +84,46 @@ class Moments:
         var.addcmul_(delta, delta, value=self.rows * other.rows / n**2)
         return Moments(n, self.samples + other.samples, self.out_positions + other.out_positions, mean, var)
 
+    def _merge_on_device(self, other: Moments) -> Moments:
+        rows_a, rows_b = _as_tensor(self.rows, self.mean), _as_tensor(other.rows, self.mean)
+        n = rows_a + rows_b
+        share = rows_b / n.clamp_min(1.0)  # float64; 0 when both parts are empty
+        delta = other.mean - self.mean
+        mean = self.mean + delta * share.to(delta.dtype)
+        var = torch.lerp(self.var, other.var, share.to(self.var.dtype))
+        var = var + delta.square() * (share * (rows_a / n.clamp_min(1.0))).to(var.dtype)
+        samples = _as_tensor(self.samples, self.mean) + _as_tensor(other.samples, self.mean)
+        positions = _as_tensor(self.out_positions, self.mean) + _as_tensor(other.out_positions, self.mean)
+        return Moments(n, samples, positions, mean, var)
+
     def pack(self) -> Tensor:
         """Flatten to one float64 vector ``[rows, samples, out_positions, mean…, var…]`` (for collectives)."""
-        head = torch.tensor([self.rows, self.samples, self.out_positions], dtype=torch.float64, device=self.mean.device)
+        counts = (self.rows, self.samples, self.out_positions)
+        if any(isinstance(c, Tensor) for c in counts):
+            head = torch.stack([_as_tensor(c, self.mean) for c in counts])
+        else:
+            head = torch.tensor(counts, dtype=torch.float64, device=self.mean.device)
         return torch.cat([head, self.mean.double(), self.var.double()])
 
     @staticmethod
     def unpack(flat: Tensor, features: int, dtype: torch.dtype) -> Moments:
-        """Inverse of :meth:`pack` for a vector of ``3 + 2·features`` entries."""
-        rows, samples, positions = (int(v) for v in flat[:3].tolist())
+        """Inverse of :meth:`pack` for a vector of ``3 + 2·features`` entries. The counts stay on the device
+        (float64 0-dim tensors): nothing is read back to the host."""
         mean = flat[3 : 3 + features].to(dtype)
         var = flat[3 + features : 3 + 2 * features].to(dtype)
-        return Moments(rows, samples, positions, mean, var)
+        return Moments(flat[0], flat[1], flat[2], mean, var)
 
     @staticmethod
     def empty(features: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Moments:
         zeros = torch.zeros(features, dtype=dtype, device=device)
         return Moments(0, 0, 0, zeros, zeros.clone())
+
+
+def _as_tensor(count: int | Tensor, like: Tensor) -> Tensor:
+    """A count as a float64 0-dim tensor on ``like``'s device."""
+    if isinstance(count, Tensor):
+        return count
+    return torch.tensor(float(count), dtype=torch.float64, device=like.device)
 
 
 def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -322,6 +350,12 @@ class RunningStatistics:
             return torch.zeros_like(self.mean_acc), torch.ones_like(self.var_acc)
         scale = 1.0 / (1.0 - self.rho**self.steps)
         return self.mean_acc * scale, self.var_acc * scale
+
+    def device_mu(self) -> Tensor:
+        """μ of the configured view computed on the device from ρ^t (no read of t; 0 before any update)."""
+        if not self.bias_correction:
+            return self.mean_acc  # μ = m, and m = 0 before any update
+        return self.mean_acc / (1.0 - self.decay).clamp_min(torch.finfo(self.decay.dtype).tiny)
 
     @property
     def mu(self) -> Tensor:

@@ -59,3 +59,17 @@ def test_a_training_step_reads_nothing_back_from_the_device(kind: str, give_opti
     messages = [str(w.message) for w in caught if issubclass(w.category, BNPWarning)]
     assert any("'0'" in m and "NaN or Inf" in m for m in messages), messages  # the NaN step, reported later
     assert any("'0'" in m and "overflows float32" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_batch_size_one_reads_nothing_back(bias_correction: bool) -> None:
+    """N = 1: σ²_H = (h − μ)² uses the running μ, which the step takes on the device (ρ^t, not t)."""
+    net, _ = make("linear")
+    pre = BNPPreconditioner(net, bias_correction=bias_correction)
+    for step in range(3):
+        with HostReads() as reads:
+            F.cross_entropy(net(inputs("linear", step)[:1]), torch.tensor([1])).backward()
+            pre.step()
+        assert reads.reads == {}, step
+        net.zero_grad()
+    assert pre.layers["0"].running.steps == 3
