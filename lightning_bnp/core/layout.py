@@ -63,6 +63,16 @@ class FeatureLayout:
             found = self._cache[key] = self.per_layer(key)
         return found
 
+    def per_layer_values(self, values: Sequence[float]) -> Tensor:
+        """``values`` as one tensor of one entry per layer, built once per distinct tuple (the last 8 kept)."""
+        key = ("layers", *values)
+        found = self._cache.get(key)  # type: ignore[arg-type]
+        if found is None:
+            if len(self._cache) >= 8:
+                self._cache.pop(next(iter(self._cache)))
+            found = self._cache[key] = torch.tensor(values, dtype=self.dtype, device=self.device)  # type: ignore[index]
+        return found
+
     def layer_max(self, flat: Tensor) -> Tensor:
         """max over each layer's entries, broadcast back onto them."""
         return self.segment_max(flat).index_select(0, self.owner)

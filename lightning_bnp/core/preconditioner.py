@@ -49,6 +49,7 @@ their bias too (or both have none), since P couples a weight with its bias (eq. 
 from __future__ import annotations
 
 import math
+import types
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -192,6 +193,104 @@ def _host_copy(flat: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
     return host, done
 
 
+@dataclass(frozen=True)
+class _StepConfig:
+    """What shapes a step's tensor work besides its tensors (constants of a compiled step)."""
+
+    running: bool
+    bias_correction: bool
+    rho: float
+    eps1: float
+    eps2: float
+    one_row: tuple[int, ...]  # layers whose σ²_H follows the N = 1 rule (or may, where the count is pooled)
+    groups: tuple[int, ...]
+
+
+def _count(count: int | Tensor, device: torch.device) -> Tensor:
+    return torch.as_tensor(count, dtype=torch.float64, device=device)
+
+
+def _step_math(
+    layout: FeatureLayout,
+    config: _StepConfig,
+    means: list[Tensor],
+    variances: list[Tensor],
+    running_mus: list[Tensor],
+    before: Tensor | None,
+    steps_before: Tensor | None,
+    counts: Tensor | None,
+    fan_in: Tensor | None,
+    q2_flat: Tensor | None,
+    q2s: list[Any],
+    grads_w: list[Tensor],
+    grads_b: list[Tensor | None],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The tensor work of one step for a group of layers (Alg. 2/3 steps 1–5), without a single read back to
+    the host, and traceable whole by ``torch.compile(fullgraph=True)``.
+
+    The running state is one vector ``[m ; v ; d]`` (d = ρ^t per layer) with step counts ``steps_before``.
+    ``counts``: (rows, samples, out positions) per layer when they were pooled over ranks (then q² is built
+    here, and a layer that no rank ran keeps its state and gets M = I); else ``q2_flat`` and ``q2s`` are given.
+
+    Returns:
+        (μ, σ̃², state after, steps after, per-layer max σ²_H before saturation, q² per layer when pooled);
+        the gradients are transformed in place.
+    """
+    total = layout.total
+    # [μ_H ; σ²_H ; 0] of every layer (0: the batch value of d = ρ^t, so that d ← ρ·d in the same update)
+    batch = torch.cat(means + variances + ([layout.zeros] if config.running else []))
+    mu_h, var_h = batch[:total], batch[total : 2 * total]
+    for i, running_mu in zip(config.one_row, running_mus):  # N = 1: σ²_H = (h − μ)², μ before the update
+        part = layout.slice(i)
+        one_row = (mu_h[part] - running_mu.to(mu_h.dtype)).square()
+        # pooled over ranks the count is on the device: the rule applies where it is 1
+        var_h[part] = one_row if counts is None else torch.where(counts[i, 0] == 1, one_row, var_h[part])
+    if layout.uncentred_mask is not None:  # no bias: uncentred second moment σ²_H + μ_H², and μ stays 0
+        mu_uncentred = mu_h * layout.uncentred_mask
+        var_h.addcmul_(mu_uncentred, mu_uncentred)
+        mu_h.sub_(mu_uncentred)
+    ran = None
+    if counts is not None:  # pooled over ranks: a layer no rank ran keeps its state and gets M = I
+        ran = (counts[:, 0] > 0).index_select(0, layout.owner)
+        var_h.copy_(torch.where(ran, var_h, math.nan))
+    # per layer max σ²_H: NaN when a sample was NaN or ±Inf (σ²_H is computed from centred values, so a
+    # non-finite μ_H makes it NaN too), +Inf when finite inputs' squares overflow the dtype
+    peak = layout.segment_max(var_h)
+    var_h.clamp_(max=_ceiling(var_h.dtype))  # an overflowed σ²_H saturates (the warning says so)
+    if not config.running:
+        mu, var_t = mu_h, var_tilde(var_h, config.eps1, config.eps2, maxima=layout.layer_max(var_h))
+        after = steps = peak
+    else:
+        assert before is not None and steps_before is not None
+        after = ema_update(before, batch, config.rho)  # [m ; v ; d] ← ρ[m ; v ; d] + (1−ρ)[μ_H ; σ²_H ; 0]
+        # a layer whose moments are not finite keeps its state (and step count): P uses what was stored
+        finite = peak == peak
+        after = torch.where(finite.index_select(0, layout.state_owner), after, before)
+        steps = steps_before + finite
+        mean_acc, var_acc, decay = after[:total], after[total : 2 * total], after[2 * total :]
+        if config.bias_correction:  # μ = m/(1 − ρ^t), σ² = v/(1 − ρ^t)
+            scale = torch.reciprocal(1.0 - decay).index_select(0, layout.owner)
+            mu, var = mean_acc * scale, var_acc * scale
+            var_t = var_tilde(var, config.eps1, config.eps2, maxima=layout.layer_max(var))
+        else:  # the paper's view σ² = v + ρ^t; σ̃² = σ² + ε1·max σ² + ε2 = v + ε1·(max v + d·(1 + ε1)/ε1 + ε2/ε1)
+            floor = torch.add(layout.segment_max(var_acc), decay, alpha=(1.0 + config.eps1) / config.eps1)
+            floor.add_(config.eps2 / config.eps1)
+            mu, var_t = mean_acc, torch.add(var_acc, floor.index_select(0, layout.owner), alpha=config.eps1)
+    q2_out = peak
+    if counts is not None:
+        assert ran is not None and fan_in is not None
+        per_sample = counts[:, 1].clamp_min(1.0)
+        q2 = torch.maximum(fan_in / per_sample, (counts[:, 2] / per_sample).sqrt())
+        q2_out = torch.where(counts[:, 0] > 0, q2, 1.0).to(mu.dtype)
+        q2_flat, q2s = q2_out.index_select(0, layout.owner), list(q2_out.unbind(0))
+        mu, var_t = torch.where(ran, mu, 0.0), torch.where(ran, var_t, 1.0)
+    assert q2_flat is not None
+    mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
+    scales = layout.split(var_t * q2_flat)  # q²σ̃², all layers in one product
+    precondition_scaled_(grads_w, grads_b, mus, scales, q2s, list(config.groups))
+    return mu, var_t, after, steps, peak, q2_out
+
+
 def _parameters(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -289,6 +388,7 @@ class BNPPreconditioner(ArgumentsRepr):
         # per step: the layers and a host copy of their per-layer max σ²_H, read by a later step (_report)
         self._unreported: list[tuple[list[_Layer | None], tuple[Tensor, torch.cuda.Event | None]]] = []
         self._not_run_here: set[str] = set()  # this step's layers whose forward did not run on this rank
+        self._compiled: Any = None  # _step_math compiled (compile_step), or None: eager
         self.attach()
 
     _repr_skip = ("model",)
@@ -408,6 +508,18 @@ class BNPPreconditioner(ArgumentsRepr):
         else:
             self.precondition(params, commit=True)
 
+    def compile_step(self, **options: Any) -> BNPPreconditioner:
+        """Run the tensor work of every later step — the statistics update (Alg. 2/3 steps 1–3) and the
+        transform of the gradients (steps 4–5) — as one ``torch.compile(fullgraph=True)`` graph per set of
+        layers stepped together; what is left in Python is bookkeeping (which layers, the pending update).
+        ``options`` go to ``torch.compile`` (e.g. ``backend``, ``mode``). Steps with statistics pooled over
+        ranks stay eager. Returns ``self``."""
+        # a copy of the function with its own code object: Dynamo keeps its compiled graphs (and counts
+        # recompilations) per code object, so every preconditioner gets its own
+        own = types.FunctionType(_step_math.__code__.replace(), _step_math.__globals__, "_step_math")
+        self._compiled = torch.compile(own, fullgraph=True, **options)
+        return self
+
     def _commit(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         pending = self._pending.pop(id(optimizer), None)
         if pending is not None:
@@ -466,46 +578,69 @@ class BNPPreconditioner(ArgumentsRepr):
         return True
 
     def _transform(self, ready: list[tuple[_Layer, Moments, Tensor]], pending: PendingUpdate) -> None:
-        """Steps 2–4 for every layer of the step at once (flat statistics, ``torch._foreach_*`` gradients)."""
+        """Steps 2–4 for every layer of the step at once (flat statistics, ``torch._foreach_*`` gradients): the
+        bookkeeping here, the tensor work in :func:`_step_math` (compiled whole with ``compile_step``)."""
         layout = self._layout([layer for layer, _, _ in ready], ready[0][1].mean)
-        mu, var_t = self._statistics_for_step(ready, layout, pending)
-        grads_b, groups = [], []
-        for layer, _, _ in ready:
-            grads_b.append(layer.bias.grad if layer.has_bias else None)  # type: ignore[union-attr]
-            groups.append(layer.groups)
+        moments = [m for _, m, _ in ready]
+        running = self.statistics == "running"
+        pooled = any(isinstance(m.rows, Tensor) for m in moments)  # counts pooled over ranks, on the device
+        single = tuple(i for i, m in enumerate(moments) if not isinstance(m.rows, Tensor) and m.rows == 1)
+        if single and not running:
+            raise ValueError(
+                f"statistics='batch' needs more than one row of input per step, but layer "
+                f"{ready[single[0]][0].name!r} saw 1; use statistics='running' for batch size 1"
+            )
+        runnings = [layer.running for layer, _, _ in ready]
+        # N = 1 (σ²_H = (h − μ)² with the running μ before the update): where a count is 1, or may be (pooled)
+        one_row = tuple(
+            i for i, (layer, _, _) in enumerate(ready) if layer.has_bias and running and (i in single or pooled)
+        )
+        running_mus = [runnings[i].device_mu() for i in one_row]
+        before = steps_before = None
+        if running:
+            before, steps_before = self._state_before(runnings, layout, moments[0].mean)
+        grads_w = [grad for _, _, grad in ready]
+        grads_b = [layer.bias.grad if layer.has_bias else None for layer, _, _ in ready]  # type: ignore[union-attr]
         q2s: list[Any]
-        if any(isinstance(m.rows, Tensor) for _, m, _ in ready):  # counts pooled over ranks, on the device
-            mu, var_t, q2s, q2_flat = self._pooled_identity_and_q2(ready, layout, mu, var_t)
+        counts = fan_in = q2_flat = None
+        if pooled:
+            device = moments[0].mean.device
+            counts = torch.stack(
+                [torch.stack([_count(c, device) for c in (m.rows, m.samples, m.out_positions)]) for m in moments]
+            )
+            fan_in = torch.tensor([layer.fan_in for layer, _, _ in ready], dtype=torch.float64, device=device)
+            q2s = []
         else:
             q2s = [
                 q_squared(layer.fan_in, int(m.samples), int(m.out_positions) / int(m.samples)) for layer, m, _ in ready
             ]
             q2_flat = layout.per_layer_cached(q2s)
-        mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
-        scales = layout.split(var_t * q2_flat)  # q²σ̃², all layers in one product
-        precondition_scaled_([grad for _, _, grad in ready], grads_b, mus, scales, q2s, groups)
-        for (layer, _, grad_w), mu_l, var_t_l, q2 in zip(ready, mus, layout.split(var_t), q2s):
-            layer.transform = StepTransform(mu_l, var_t_l, q2, layer.groups)
+            if self._compiled is not None:  # tensors, so that a new q² is new data, not a recompilation
+                q2s = list(layout.per_layer_values(q2s).unbind(0))
+        math_fn = _step_math if self._compiled is None or pooled else self._compiled
+        groups = tuple(layer.groups for layer, _, _ in ready)
+        config = _StepConfig(running, self.bias_correction, self.rho, self.eps1, self.eps2, one_row, groups)
+        means, variances = [m.mean for m in moments], [m.var for m in moments]
+        mu, var_t, after, steps, peak, q2_out = math_fn(
+            layout, config, means, variances, running_mus, before, steps_before, counts, fan_in, q2_flat, q2s,
+            grads_w, grads_b,
+        )  # fmt: skip
+        if pooled:
+            q2s = list(q2_out.unbind(0))
+        # (a layer this rank never ran has had its own warning: a NaN there is not reported again)
+        reported = [layer if layer.name not in self._not_run_here else None for layer, _, _ in ready]
+        self._unreported.append((reported, _host_copy(peak)))
+        if running:
+            total = layout.total
+            state = (after[:total], after[total : 2 * total], after[2 * total :])
+            views = list(zip(layout.split(state[0]), layout.split(state[1]), steps.split(1), state[2].split(1)))
+            layout.last_state = (after, steps, views)
+            pending.items.extend(zip(runnings, views))
+        for (layer, _, grad_w), mu_l, var_t_l, q2, grad_b in zip(
+            ready, layout.split(mu), layout.split(var_t), q2s, grads_b
+        ):
+            layer.transform = StepTransform(mu_l if grad_b is not None else None, var_t_l, q2, layer.groups)
             layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)
-
-    def _pooled_identity_and_q2(
-        self, ready: list[tuple[_Layer, Moments, Tensor]], layout: FeatureLayout, mu: Tensor, var_t: Tensor
-    ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
-        """q² from counts pooled over ranks (device tensors), and M = I (μ = 0, σ̃² = 1, q² = 1) for a layer
-        that no rank ran this step — decided on the device, so that every rank does the same without a read."""
-        rows = torch.stack([torch.as_tensor(m.rows, dtype=torch.float64, device=mu.device) for _, m, _ in ready])
-        samples = torch.stack([torch.as_tensor(m.samples, dtype=torch.float64, device=mu.device) for _, m, _ in ready])
-        positions = torch.stack(
-            [torch.as_tensor(m.out_positions, dtype=torch.float64, device=mu.device) for _, m, _ in ready]
-        )
-        fan_in = torch.tensor([layer.fan_in for layer, _, _ in ready], dtype=torch.float64, device=mu.device)
-        ran = rows > 0
-        per_sample = samples.clamp_min(1.0)
-        q2 = torch.where(ran, torch.maximum(fan_in / per_sample, (positions / per_sample).sqrt()), 1.0).to(mu.dtype)
-        ran_flat = ran.index_select(0, layout.owner)
-        mu = torch.where(ran_flat, mu, 0.0)
-        var_t = torch.where(ran_flat, var_t, 1.0)
-        return mu, var_t, list(q2.unbind(0)), q2.index_select(0, layout.owner)
 
     def _layout(self, layers: list[_Layer], like: Tensor) -> FeatureLayout:
         """The flat layout of ``layers``' features, built once per set of layers, device and dtype."""
@@ -519,73 +654,6 @@ class BNPPreconditioner(ArgumentsRepr):
                 sizes, [layer.has_bias for layer in layers], like.device, like.dtype
             )
         return layout
-
-    def _statistics_for_step(
-        self, ready: list[tuple[_Layer, Moments, Tensor]], layout: FeatureLayout, pending: PendingUpdate
-    ) -> tuple[Tensor, Tensor]:
-        """μ and σ̃² that P uses this step (Alg. 2/3 steps 1–3), all layers in one flat vector each.
-
-        No value is read back to the host: the choice to keep a layer's stored statistics when this step's
-        moments are not finite is a ``torch.where`` on the device, and the step count t and ρ^t of every
-        layer live there too. What the step saw is reported by the next one (:meth:`_report`).
-        """
-        moments = [m for _, m, _ in ready]
-        total = layout.total
-        running = self.statistics == "running"
-        # [μ_H ; σ²_H ; 0] of every layer (0: the batch value of d = ρ^t, so that d ← ρ·d in the same update)
-        batch = torch.cat([m.mean for m in moments] + [m.var for m in moments] + ([layout.zeros] if running else []))
-        mu_h, var_h = batch[:total], batch[total : 2 * total]
-        single = [i for i, m in enumerate(moments) if not isinstance(m.rows, Tensor) and m.rows == 1]
-        if single and not running:
-            raise ValueError(
-                f"statistics='batch' needs more than one row of input per step, but layer "
-                f"{ready[single[0]][0].name!r} saw 1; use statistics='running' for batch size 1"
-            )
-        for i, m in enumerate(moments):  # N = 1: σ²_H = (h − μ)² with the running μ before this step's update
-            layer = ready[i][0]
-            if layer.has_bias and running and (i in single or isinstance(m.rows, Tensor)):
-                part = layout.slice(i)
-                running_mu = layer.running.device_mu().to(mu_h.device, mu_h.dtype)
-                one_row = (mu_h[part] - running_mu).square()
-                # pooled over ranks the count is on the device: the rule applies where it is 1
-                var_h[part] = (
-                    one_row if i in single else torch.where(torch.as_tensor(m.rows == 1), one_row, var_h[part])
-                )
-        if layout.uncentred_mask is not None:  # no bias: uncentred second moment σ²_H + μ_H², and μ stays 0
-            mu_uncentred = mu_h * layout.uncentred_mask
-            var_h.addcmul_(mu_uncentred, mu_uncentred)
-            mu_h.sub_(mu_uncentred)
-        # per layer max σ²_H: NaN when a sample was NaN or ±Inf (σ²_H is computed from centred values, so a
-        # non-finite μ_H makes it NaN too), +Inf when finite inputs' squares overflow the dtype
-        if any(isinstance(m.rows, Tensor) for m in moments):  # pooled over ranks: a layer no rank ran keeps its state
-            rows = torch.stack([torch.as_tensor(m.rows, device=var_h.device) for m in moments])
-            var_h.copy_(torch.where((rows == 0).index_select(0, layout.owner), math.nan, var_h))
-        peak = layout.segment_max(var_h)
-        # (a layer this rank never ran has had its own warning: a NaN there is not reported again)
-        reported = [layer if layer.name not in self._not_run_here else None for layer, _, _ in ready]
-        self._unreported.append((reported, _host_copy(peak)))
-        var_h.clamp_(max=_ceiling(var_h.dtype))  # an overflowed σ²_H saturates (the warning says so)
-        if not running:
-            return mu_h, var_tilde(var_h, self.eps1, self.eps2, maxima=layout.layer_max(var_h))
-        runnings = [layer.running for layer, _, _ in ready]
-        before, steps_before = self._state_before(runnings, layout, batch)
-        after = ema_update(before, batch, self.rho)  # [m ; v ; d] ← ρ[m ; v ; d] + (1−ρ)[μ_H ; σ²_H ; 0]
-        # a layer whose moments are not finite keeps its state (and step count): P uses what was stored
-        finite = peak == peak
-        after = torch.where(finite.index_select(0, layout.state_owner), after, before)
-        steps = steps_before + finite
-        mean_acc, var_acc, decay = after[:total], after[total : 2 * total], after[2 * total :]
-        views = list(zip(layout.split(mean_acc), layout.split(var_acc), steps.split(1), decay.split(1)))
-        layout.last_state = (after, steps, views)
-        pending.items.extend(zip(runnings, views))
-        if self.bias_correction:  # μ = m/(1 − ρ^t), σ² = v/(1 − ρ^t)
-            scale = torch.reciprocal(1.0 - decay).index_select(0, layout.owner)
-            mu, var = mean_acc * scale, var_acc * scale
-            return mu, var_tilde(var, self.eps1, self.eps2, maxima=layout.layer_max(var))
-        # the paper's view σ² = v + ρ^t; σ̃² = σ² + ε1·max σ² + ε2 = v + ε1·(max v + d·(1 + ε1)/ε1 + ε2/ε1)
-        floor = torch.add(layout.segment_max(var_acc), decay, alpha=(1.0 + self.eps1) / self.eps1)
-        floor.add_(self.eps2 / self.eps1)
-        return mean_acc, torch.add(var_acc, floor.index_select(0, layout.owner), alpha=self.eps1)
 
     def _state_before(
         self, runnings: list[RunningStatistics], layout: FeatureLayout, batch: Tensor

@@ -151,7 +151,8 @@ def precondition_scaled_(
     with torch.no_grad():
         gw, scale_w, centred, mu_w, gb_w, columns = [], [], [], [], [], []
         for i, (g, k, scale, gb, mu) in enumerate(zip(grads_w, groups, scales, grads_b, mus)):
-            g_shape, v_shape, b_shape, per_column = _broadcast_shapes(tuple(g.shape), k, scale.numel())
+            shapes = _broadcast_shapes.__wrapped__ if torch.compiler.is_compiling() else _broadcast_shapes
+            g_shape, v_shape, b_shape, per_column = shapes(tuple(g.shape), k, scale.numel())
             columns.append(per_column)
             g = g if g_shape is None else g.view(g_shape)
             scale = scale if scale.dtype == g.dtype else scale.to(g.dtype)  # applied in the gradient's dtype
