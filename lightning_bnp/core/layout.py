@@ -13,6 +13,7 @@ The index tensors are built once per set of layers stepped together and reused e
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,6 +48,9 @@ class FeatureLayout:
         # the state the previous step left (its flat vectors and the per-layer views it handed out), so that
         # the next step can start from it without concatenating the layers' tensors again
         self.last_state: tuple[Tensor, Tensor, list[tuple[Tensor, Tensor, Tensor, Tensor]]] | None = None
+        self.configs: dict[tuple[int, ...], Any] = {}  # the step's constants, per N = 1 pattern
+        self.ceiling = torch.finfo(dtype).max * 2.0**-24  # the largest σ²_H a step stores (preconditioner._ceiling)
+        self._ones = [1] * len(self.sizes)
 
     def per_layer(self, values: Sequence[float]) -> Tensor:
         """A vector holding ``values[l]`` on every entry of layer l."""
@@ -84,6 +88,10 @@ class FeatureLayout:
     def split(self, flat: Tensor) -> tuple[Tensor, ...]:
         """Per-layer views of a flat vector (no copy)."""
         return flat.split_with_sizes(self.sizes)
+
+    def split_layers(self, flat: Tensor) -> tuple[Tensor, ...]:
+        """Per-layer (1,) views of a vector with one entry per layer (no copy)."""
+        return flat.split_with_sizes(self._ones)
 
     def slice(self, layer: int) -> slice:
         start = sum(self.sizes[:layer])

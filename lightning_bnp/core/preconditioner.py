@@ -256,7 +256,7 @@ def _step_math(
     # per layer max σ²_H: NaN when a sample was NaN or ±Inf (σ²_H is computed from centred values, so a
     # non-finite μ_H makes it NaN too), +Inf when finite inputs' squares overflow the dtype
     peak = layout.segment_max(var_h)
-    var_h.clamp_(max=_ceiling(var_h.dtype))  # an overflowed σ²_H saturates (the warning says so)
+    var_h.clamp_(max=layout.ceiling)  # an overflowed σ²_H saturates (the warning says so): _ceiling
     if not config.running:
         mu, var_t = mu_h, var_tilde(var_h, config.eps1, config.eps2, maxima=layout.layer_max(var_h))
         after = steps = peak
@@ -264,7 +264,7 @@ def _step_math(
         assert before is not None and steps_before is not None
         after = ema_update(before, batch, config.rho)  # [m ; v ; d] ← ρ[m ; v ; d] + (1−ρ)[μ_H ; σ²_H ; 0]
         # a layer whose moments are not finite keeps its state (and step count): P uses what was stored
-        finite = peak == peak
+        finite = torch.eq(peak, peak)
         after = torch.where(finite.index_select(0, layout.state_owner), after, before)
         steps = steps_before + finite
         mean_acc, var_acc, decay = after[:total], after[total : 2 * total], after[2 * total :]
@@ -618,8 +618,11 @@ class BNPPreconditioner(ArgumentsRepr):
             if self._compiled is not None:  # tensors, so that a new q² is new data, not a recompilation
                 q2s = list(layout.per_layer_values(q2s).unbind(0))
         math_fn = _step_math if self._compiled is None or pooled else self._compiled
-        groups = tuple(layer.groups for layer, _, _ in ready)
-        config = _StepConfig(running, self.bias_correction, self.rho, self.eps1, self.eps2, one_row, groups)
+        config = layout.configs.get(one_row)  # built once per layout and N = 1 pattern
+        if config is None:
+            groups = tuple(layer.groups for layer, _, _ in ready)
+            config = _StepConfig(running, self.bias_correction, self.rho, self.eps1, self.eps2, one_row, groups)
+            layout.configs[one_row] = config
         means, variances = [m.mean for m in moments], [m.var for m in moments]
         mu, var_t, after, steps, peak, q2_out = math_fn(
             layout, config, means, variances, running_mus, before, steps_before, counts, fan_in, q2_flat, q2s,
@@ -633,7 +636,14 @@ class BNPPreconditioner(ArgumentsRepr):
         if running:
             total = layout.total
             state = (after[:total], after[total : 2 * total], after[2 * total :])
-            views = list(zip(layout.split(state[0]), layout.split(state[1]), steps.split(1), state[2].split(1)))
+            views = list(
+                zip(
+                    layout.split(state[0]),
+                    layout.split(state[1]),
+                    layout.split_layers(steps),
+                    layout.split_layers(state[2]),
+                )
+            )
             layout.last_state = (after, steps, views)
             pending.items.extend(zip(runnings, views))
         for (layer, _, grad_w), mu_l, var_t_l, q2, grad_b in zip(
@@ -685,7 +695,10 @@ class BNPPreconditioner(ArgumentsRepr):
             if done is not None and not done.query():
                 return
             self._unreported.pop(0)
-            for layer, peak in zip(layers, host.numpy().tolist()):
+            peaks = host.numpy()
+            if math.isfinite(peaks.sum()):  # the usual case: nothing to report (an inf sum falls through)
+                continue
+            for layer, peak in zip(layers, peaks.tolist()):
                 if layer is None:
                     continue
                 if math.isnan(peak):
