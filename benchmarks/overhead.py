@@ -147,6 +147,8 @@ def plain_step(row: Row, batch: int, key: Key, device: torch.device) -> Step:
     model = row.make(norm_of(row, key.variant)).to(device).train()
     pre = BNPPreconditioner(model) if key.variant == "BNP" else None
     forward = torch.compile(model) if key.mode == "compiled" else model
+    if pre is not None and key.mode == "compiled":  # the step's tensor work compiled too (issue 28)
+        pre.compile_step()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = batches(row, batch, device)
     count = iter(range(1 << 62))

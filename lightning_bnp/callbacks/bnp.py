@@ -87,6 +87,9 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             offset over the patches that offset sees, padding zeros included; Alg. 2 applied to the unfolded
             input, with Alg. 3's q²). ``"column"`` matters where feature maps are small next to the kernel
             (Prop. 10); README "What it computes" and ``benchmarks/RESULTS.md`` §6 give its accuracy and cost.
+        compile_step: run the tensor work of every step (statistics update and gradient transform) as one
+            ``torch.compile(fullgraph=True)`` graph (:meth:`BNPPreconditioner.compile_step`); for models that
+            are compiled themselves (the example projects turn it on with ``--model.compile=true``).
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
@@ -101,7 +104,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         trainer = Trainer(callbacks=[BatchNormPreconditioning()])
     """
 
-    _repr_if_set = ("conv_statistics",)
+    _repr_if_set = ("conv_statistics", "compile_step")
 
     def __init__(
         self,
@@ -117,7 +120,9 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         sync_statistics: bool = True,
         verbose: bool = True,
         conv_statistics: Literal["channel", "column"] = "channel",
+        compile_step: bool = False,
     ) -> None:
+        self.compile_step = check_bool("compile_step", compile_step)
         self.layer_types, include, exclude = validate_bnp_arguments(
             rho,
             eps1,
@@ -268,6 +273,8 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         assert self.preconditioner is not None
+        if self.compile_step and self.preconditioner._compiled is None:
+            self.preconditioner.compile_step()
         if self.regularizer is not None:
             self.regularizer.before_precondition(optimizer)
         self.preconditioner.step(optimizer)  # commits when optimizer.step() really runs

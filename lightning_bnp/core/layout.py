@@ -13,6 +13,7 @@ The index tensors are built once per set of layers stepped together and reused e
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,6 +41,16 @@ class FeatureLayout:
         # 1 on the entries of layers without a bias, 0 elsewhere; None when every layer has one
         self.uncentred_mask = None if all(centred) else self.per_layer([float(not c) for c in centred])
         self._cache: dict[tuple[float, ...], Tensor] = {}
+        # the running state of a step is one vector [m ; v ; d] (d = ρ^t per layer): the layer of each entry
+        layers = torch.arange(len(self.sizes), device=device)
+        self.state_owner = torch.cat([self.owner, self.owner, layers])
+        self.zeros = torch.zeros(len(self.sizes), dtype=dtype, device=device)  # the batch value of d (d ← ρ·d)
+        # the state the previous step left (its flat vectors and the per-layer views it handed out), so that
+        # the next step can start from it without concatenating the layers' tensors again
+        self.last_state: tuple[Tensor, Tensor, list[tuple[Tensor, Tensor, Tensor, Tensor]]] | None = None
+        self.configs: dict[tuple[int, ...], Any] = {}  # the step's constants, per N = 1 pattern
+        self.ceiling = torch.finfo(dtype).max * 2.0**-24  # the largest σ²_H a step stores (preconditioner._ceiling)
+        self._ones = [1] * len(self.sizes)
 
     def per_layer(self, values: Sequence[float]) -> Tensor:
         """A vector holding ``values[l]`` on every entry of layer l."""
@@ -56,13 +67,31 @@ class FeatureLayout:
             found = self._cache[key] = self.per_layer(key)
         return found
 
+    def per_layer_values(self, values: Sequence[float]) -> Tensor:
+        """``values`` as one tensor of one entry per layer, built once per distinct tuple (the last 8 kept)."""
+        key = ("layers", *values)
+        found = self._cache.get(key)  # type: ignore[arg-type]
+        if found is None:
+            if len(self._cache) >= 8:
+                self._cache.pop(next(iter(self._cache)))
+            found = self._cache[key] = torch.tensor(values, dtype=self.dtype, device=self.device)  # type: ignore[index]
+        return found
+
     def layer_max(self, flat: Tensor) -> Tensor:
         """max over each layer's entries, broadcast back onto them."""
-        return torch.segment_reduce(flat, "max", lengths=self.lengths).index_select(0, self.owner)
+        return self.segment_max(flat).index_select(0, self.owner)
+
+    def segment_max(self, flat: Tensor) -> Tensor:
+        """max over each layer's entries, one per layer (NaN where a layer has a NaN entry)."""
+        return torch.segment_reduce(flat, "max", lengths=self.lengths)
 
     def split(self, flat: Tensor) -> tuple[Tensor, ...]:
         """Per-layer views of a flat vector (no copy)."""
         return flat.split_with_sizes(self.sizes)
+
+    def split_layers(self, flat: Tensor) -> tuple[Tensor, ...]:
+        """Per-layer (1,) views of a vector with one entry per layer (no copy)."""
+        return flat.split_with_sizes(self._ones)
 
     def slice(self, layer: int) -> slice:
         start = sum(self.sizes[:layer])

@@ -32,9 +32,14 @@ logging — adds nothing, and the forward that non-reentrant activation checkpoi
 during the backward is not counted twice (its recomputed graph is never back-propagated).
 
 Non-finite statistics. A step whose pooled moments of a layer are not finite (a NaN or Inf sample)
-does not update that layer's running statistics: P of that step is built from the statistics
-committed before it, and a :class:`BNPWarning` names the layer (once). One host synchronisation per
-step reads the finiteness flags of all layers together.
+does not update that layer's running statistics (nor its step count): P of that step is built from the
+statistics committed before it. Finite inputs whose squares overflow the dtype (|h| ≳ 1.8e19 in float32)
+give a σ²_H that is saturated at ``finfo.max·2⁻²⁴`` instead (the statistics keep following the data).
+Neither needs the host: the choice is a ``torch.where`` on the device and the step never reads a value
+back (no host synchronisation, so the host runs ahead of the device). The :class:`BNPWarning` that names
+the layer and the cause (once per layer and cause) is raised by the *next* step, from a host copy of the
+step's per-layer max σ²_H (non-blocking on CUDA, read only once it has arrived), or by
+:meth:`BNPPreconditioner.flush_warnings` and ``detach()``.
 
 Layers sharing one weight (``dec.weight = enc.weight``) are one layer for BNP, as a module called
 twice is: their statistics are pooled and the shared gradient is transformed once. They must share
@@ -44,6 +49,7 @@ their bias too (or both have none), since P couples a weight with its bias (eq. 
 from __future__ import annotations
 
 import math
+import types
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -130,7 +136,8 @@ class PendingUpdate:
     ``GradScaler`` skips (non-finite gradients) leaves the statistics untouched.
     """
 
-    items: list[tuple[RunningStatistics, tuple[Tensor, Tensor, int]]] = field(default_factory=list)
+    # (statistics, (m, v, t, ρ^t)): t and ρ^t as (1,) device tensors
+    items: list[tuple[RunningStatistics, tuple[Tensor, Tensor, Tensor, Tensor]]] = field(default_factory=list)
 
     def commit(self) -> None:
         for running, state in self.items:
@@ -153,20 +160,145 @@ _REPARAMETRIZED = (
     "not transformed and its statistics are not updated)"
 )
 _NON_FINITE = (
-    "the step's input statistics are not finite (a NaN or Inf in the batch); its running statistics "
+    "a step's input statistics were not finite (a NaN or Inf in the batch); its running statistics "
     "are not updated in such a step and P uses the ones stored before it."
 )
+_NON_FINITE_BATCH = (
+    "a step's input statistics were not finite (a NaN or Inf in the batch); with statistics='batch' that "
+    "step's P, and so the layer's gradient, is not finite."
+)
+
+
+_OVERFLOW = (
+    "the step's input variance σ²_H overflows {dtype} (finite inputs of magnitude above ~{root:.1e}, whose "
+    "squares are not representable); it is saturated at {ceiling:.1e} for that step, so σ² and P of this layer "
+    "are not exact while inputs stay that large. Rescale the layer's input (normalize the data), or use float64."
+)
+
+
+def _ceiling(dtype: torch.dtype) -> float:
+    """The largest σ²_H a step stores: far enough below the dtype's maximum that σ̃² and q²·σ̃² stay finite
+    (q² up to 2^24)."""
+    return torch.finfo(dtype).max * 2.0**-24
+
+
+def _is_zero(count: int | Tensor) -> bool:
+    """Whether a local count is 0 (local counts are host ints; a tensor one is never read)."""
+    return isinstance(count, int) and count == 0
+
+
+def _host_copy(flat: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """A host copy of a small device vector that never makes the host wait: on CUDA a non-blocking copy
+    into pinned memory and an event that says when it has arrived; on the CPU the vector itself."""
+    if flat.device.type != "cuda":
+        return flat, None
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+@dataclass(frozen=True)
+class _StepConfig:
+    """What shapes a step's tensor work besides its tensors (constants of a compiled step)."""
+
+    running: bool
+    bias_correction: bool
+    rho: float
+    eps1: float
+    eps2: float
+    one_row: tuple[int, ...]  # layers whose σ²_H follows the N = 1 rule (or may, where the count is pooled)
+    groups: tuple[int, ...]
+
+
+def _count(count: int | Tensor, device: torch.device) -> Tensor:
+    return torch.as_tensor(count, dtype=torch.float64, device=device)
+
+
+def _step_math(
+    layout: FeatureLayout,
+    config: _StepConfig,
+    means: list[Tensor],
+    variances: list[Tensor],
+    running_mus: list[Tensor],
+    before: Tensor | None,
+    steps_before: Tensor | None,
+    counts: Tensor | None,
+    fan_in: Tensor | None,
+    q2_flat: Tensor | None,
+    q2s: list[Any],
+    grads_w: list[Tensor],
+    grads_b: list[Tensor | None],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The tensor work of one step for a group of layers (Alg. 2/3 steps 1–5), without a single read back to
+    the host, and traceable whole by ``torch.compile(fullgraph=True)``.
+
+    The running state is one vector ``[m ; v ; d]`` (d = ρ^t per layer) with step counts ``steps_before``.
+    ``counts``: (rows, samples, out positions) per layer when they were pooled over ranks (then q² is built
+    here, and a layer that no rank ran keeps its state and gets M = I); else ``q2_flat`` and ``q2s`` are given.
+
+    Returns:
+        (μ, σ̃², state after, steps after, per-layer max σ²_H before saturation, q² per layer when pooled);
+        the gradients are transformed in place.
+    """
+    total = layout.total
+    # [μ_H ; σ²_H ; 0] of every layer (0: the batch value of d = ρ^t, so that d ← ρ·d in the same update)
+    batch = torch.cat(means + variances + ([layout.zeros] if config.running else []))
+    mu_h, var_h = batch[:total], batch[total : 2 * total]
+    for i, running_mu in zip(config.one_row, running_mus):  # N = 1: σ²_H = (h − μ)², μ before the update
+        part = layout.slice(i)
+        one_row = (mu_h[part] - running_mu.to(mu_h.dtype)).square()
+        # pooled over ranks the count is on the device: the rule applies where it is 1
+        var_h[part] = one_row if counts is None else torch.where(counts[i, 0] == 1, one_row, var_h[part])
+    if layout.uncentred_mask is not None:  # no bias: uncentred second moment σ²_H + μ_H², and μ stays 0
+        mu_uncentred = mu_h * layout.uncentred_mask
+        var_h.addcmul_(mu_uncentred, mu_uncentred)
+        mu_h.sub_(mu_uncentred)
+    ran = None
+    if counts is not None:  # pooled over ranks: a layer no rank ran keeps its state and gets M = I
+        ran = (counts[:, 0] > 0).index_select(0, layout.owner)
+        var_h.copy_(torch.where(ran, var_h, math.nan))
+    # per layer max σ²_H: NaN when a sample was NaN or ±Inf (σ²_H is computed from centred values, so a
+    # non-finite μ_H makes it NaN too), +Inf when finite inputs' squares overflow the dtype
+    peak = layout.segment_max(var_h)
+    var_h.clamp_(max=layout.ceiling)  # an overflowed σ²_H saturates (the warning says so): _ceiling
+    if not config.running:
+        mu, var_t = mu_h, var_tilde(var_h, config.eps1, config.eps2, maxima=layout.layer_max(var_h))
+        after = steps = peak
+    else:
+        assert before is not None and steps_before is not None
+        after = ema_update(before, batch, config.rho)  # [m ; v ; d] ← ρ[m ; v ; d] + (1−ρ)[μ_H ; σ²_H ; 0]
+        # a layer whose moments are not finite keeps its state (and step count): P uses what was stored
+        finite = torch.eq(peak, peak)
+        after = torch.where(finite.index_select(0, layout.state_owner), after, before)
+        steps = steps_before + finite
+        mean_acc, var_acc, decay = after[:total], after[total : 2 * total], after[2 * total :]
+        if config.bias_correction:  # μ = m/(1 − ρ^t), σ² = v/(1 − ρ^t)
+            scale = torch.reciprocal(1.0 - decay).index_select(0, layout.owner)
+            mu, var = mean_acc * scale, var_acc * scale
+            var_t = var_tilde(var, config.eps1, config.eps2, maxima=layout.layer_max(var))
+        else:  # the paper's view σ² = v + ρ^t; σ̃² = σ² + ε1·max σ² + ε2 = v + ε1·(max v + d·(1 + ε1)/ε1 + ε2/ε1)
+            floor = torch.add(layout.segment_max(var_acc), decay, alpha=(1.0 + config.eps1) / config.eps1)
+            floor.add_(config.eps2 / config.eps1)
+            mu, var_t = mean_acc, torch.add(var_acc, floor.index_select(0, layout.owner), alpha=config.eps1)
+    q2_out = peak
+    if counts is not None:
+        assert ran is not None and fan_in is not None
+        per_sample = counts[:, 1].clamp_min(1.0)
+        q2 = torch.maximum(fan_in / per_sample, (counts[:, 2] / per_sample).sqrt())
+        q2_out = torch.where(counts[:, 0] > 0, q2, 1.0).to(mu.dtype)
+        q2_flat, q2s = q2_out.index_select(0, layout.owner), list(q2_out.unbind(0))
+        mu, var_t = torch.where(ran, mu, 0.0), torch.where(ran, var_t, 1.0)
+    assert q2_flat is not None
+    mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
+    scales = layout.split(var_t * q2_flat)  # q²σ̃², all layers in one product
+    precondition_scaled_(grads_w, grads_b, mus, scales, q2s, list(config.groups))
+    return mu, var_t, after, steps, peak, q2_out
 
 
 def _parameters(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _accumulator_states(after: Tensor, layout: FeatureLayout, steps: list[int]) -> list[tuple[Tensor, Tensor, int]]:
-    """Per-layer (m, v, t) views of the flat accumulators ``[m ; v]``."""
-    views = after.split_with_sizes(layout.sizes + layout.sizes)
-    count = len(layout.sizes)
-    return list(zip(views[:count], views[count:], steps))
 
 
 class BNPPreconditioner(ArgumentsRepr):
@@ -266,6 +398,11 @@ class BNPPreconditioner(ArgumentsRepr):
         self._pending: dict[int, PendingUpdate] = {}  # per optimizer, committed by its step post-hook
         self._commit_hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._layouts: dict[tuple[Any, ...], FeatureLayout] = {}
+        # per step: the layers and a host copy of their per-layer max σ²_H, read by a later step (_report)
+        self._unreported: list[tuple[list[_Layer | None], tuple[Tensor, torch.cuda.Event | None]]] = []
+        self._not_run_here: set[str] = set()  # this step's layers whose forward did not run on this rank
+        self._compiled: Any = None  # _step_math compiled (compile_step), or None: eager
+        self._compile_options: dict[str, Any] | None = None  # compile_step's options (a copy compiles its own)
         self.attach()
 
     _repr_skip = ("model",)
@@ -303,7 +440,9 @@ class BNPPreconditioner(ArgumentsRepr):
 
     def detach(self) -> None:
         """Remove the forward hooks and the optimizers' commit hooks; drop statistics of an unfinished
-        step (forwards that ran before this call never count)."""
+        step (forwards that ran before this call never count). Raises the warnings that the last steps'
+        statistics still owe (:meth:`flush_warnings`)."""
+        self.flush_warnings()
         for handle in [*self._handles, *self._commit_hooks.values()]:
             handle.remove()
         self._handles.clear()
@@ -328,11 +467,16 @@ class BNPPreconditioner(ArgumentsRepr):
             )
         state = dict(self.__dict__)
         state.update(_handles=[], _commit_hooks={}, _pending={}, _layouts={}, _was_attached=self.attached)
+        # a compiled function and CUDA events do not copy: a copy compiles its own step, and warnings still owed
+        # for past steps are the original's to raise
+        state.update(_compiled=None, _unreported=[])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         attached = state.pop("_was_attached", False)
         self.__dict__.update(state)
+        if self._compile_options is not None:
+            self.compile_step(**self._compile_options)
         if attached:
             self.attach()
 
@@ -418,6 +562,19 @@ class BNPPreconditioner(ArgumentsRepr):
         else:
             self.precondition(params, commit=True)
 
+    def compile_step(self, **options: Any) -> BNPPreconditioner:
+        """Run the tensor work of every later step — the statistics update (Alg. 2/3 steps 1–3) and the
+        transform of the gradients (steps 4–5) — as one ``torch.compile(fullgraph=True)`` graph per set of
+        layers stepped together; what is left in Python is bookkeeping (which layers, the pending update).
+        ``options`` go to ``torch.compile`` (e.g. ``backend``, ``mode``). Steps with statistics pooled over
+        ranks stay eager. Returns ``self``."""
+        # a copy of the function with its own code object: Dynamo keeps its compiled graphs (and counts
+        # recompilations) per code object, so every preconditioner gets its own
+        own = types.FunctionType(_step_math.__code__.replace(), _step_math.__globals__, "_step_math")
+        self._compiled = torch.compile(own, fullgraph=True, **options)
+        self._compile_options = dict(options)
+        return self
+
     def _commit(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         pending = self._pending.pop(id(optimizer), None)
         if pending is not None:
@@ -431,6 +588,7 @@ class BNPPreconditioner(ArgumentsRepr):
         gradient that the previous call transformed and no backward has changed since is left as it
         is (with a warning): the transform is applied once per gradient.
         """
+        self._report()
         if params is None:
             layers = self._layer_list
         else:
@@ -445,16 +603,19 @@ class BNPPreconditioner(ArgumentsRepr):
             elif not self._transformed_already(layer, grad):
                 active.append(layer)
                 grads.append(grad)
+        ran_here = [layer.moments is not None and not _is_zero(layer.moments.rows) for layer in active]
+        self._not_run_here = {layer.name for layer, ran in zip(active, ran_here) if not ran}
         pooled = self._pool(active)
         for layer in layers:
             layer.moments = None
             layer.transform = None
         pending = PendingUpdate()
         ready = []
-        for layer, m, grad in zip(active, pooled, grads):
-            if m.rows > 0:
+        for layer, m, grad, ran in zip(active, pooled, grads, ran_here):
+            # pooled over ranks, the count is on the device: a layer no rank ran gets M = I there (_transform)
+            if isinstance(m.rows, Tensor) or m.rows > 0:
                 ready.append((layer, m, grad))
-            else:
+            if not ran:
                 self._warn(layer, "never ran", _NEVER_RAN)
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[_Layer, Moments, Tensor]]] = {}
         for item in ready:  # one flat layout per device and dtype (usually a single group)
@@ -481,24 +642,83 @@ class BNPPreconditioner(ArgumentsRepr):
         return True
 
     def _transform(self, ready: list[tuple[_Layer, Moments, Tensor]], pending: PendingUpdate) -> None:
-        """Steps 2–4 for every layer of the step at once (flat statistics, ``torch._foreach_*`` gradients)."""
+        """Steps 2–4 for every layer of the step at once (flat statistics, ``torch._foreach_*`` gradients): the
+        bookkeeping here, the tensor work in :func:`_step_math` (compiled whole with ``compile_step``)."""
         layout = self._layout([layer for layer, _, _ in ready], ready[0][1].mean)
-        mu, var = self._statistics_for_step(ready, layout, pending)
-        var_t = var_tilde(var, self.eps1, self.eps2, maxima=layout.layer_max(var))
+        moments = [m for _, m, _ in ready]
+        running = self.statistics == "running"
+        pooled = any(isinstance(m.rows, Tensor) for m in moments)  # counts pooled over ranks, on the device
+        single = tuple(i for i, m in enumerate(moments) if not isinstance(m.rows, Tensor) and m.rows == 1)
+        if single and not running:
+            raise ValueError(
+                f"statistics='batch' needs more than one row of input per step, but layer "
+                f"{ready[single[0]][0].name!r} saw 1; use statistics='running' for batch size 1"
+            )
+        runnings = [layer.running for layer, _, _ in ready]
+        # N = 1 (σ²_H = (h − μ)² with the running μ before the update): where a count is 1, or may be (pooled)
+        one_row = tuple(
+            i for i, (layer, _, _) in enumerate(ready) if layer.has_bias and running and (i in single or pooled)
+        )
+        running_mus = [runnings[i].device_mu() for i in one_row]
+        before = steps_before = None
+        if running:
+            before, steps_before = self._state_before(runnings, layout, moments[0].mean)
+        grads_w = [grad if layer.kind.same_rows else layer.rows(grad) for layer, _, grad in ready]
         grads_b: list[Tensor | None] = []
-        q2s, groups = [], []
-        for layer, m, _ in ready:
+        for layer, _, _ in ready:
             kind = layer.kind
             grad_b = kind.bias(layer.module).grad if layer.has_bias else None  # type: ignore[union-attr]
             grads_b.append(grad_b if grad_b is None or kind.same_rows else kind.bias_rows(layer.module, grad_b))
-            q2s.append(q_squared(layer.fan_in, m.samples, m.out_positions / m.samples))
-            groups.append(layer.groups)
-        mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
-        scales = layout.split(var_t * layout.per_layer_cached(q2s))  # q²σ̃², all layers in one product
-        grads_w = [grad if layer.kind.same_rows else layer.rows(grad) for layer, _, grad in ready]
-        precondition_scaled_(grads_w, grads_b, mus, scales, q2s, groups)
-        for (layer, _, grad_w), mu_l, var_t_l, q2 in zip(ready, mus, layout.split(var_t), q2s):
-            layer.transform = StepTransform(mu_l, var_t_l, q2, layer.groups, layer.rows, layer.bias_rows)
+        q2s: list[Any]
+        counts = fan_in = q2_flat = None
+        if pooled:
+            device = moments[0].mean.device
+            counts = torch.stack(
+                [torch.stack([_count(c, device) for c in (m.rows, m.samples, m.out_positions)]) for m in moments]
+            )
+            fan_in = torch.tensor([layer.fan_in for layer, _, _ in ready], dtype=torch.float64, device=device)
+            q2s = []
+        else:
+            q2s = [
+                q_squared(layer.fan_in, int(m.samples), int(m.out_positions) / int(m.samples)) for layer, m, _ in ready
+            ]
+            q2_flat = layout.per_layer_cached(q2s)
+            if self._compiled is not None:  # tensors, so that a new q² is new data, not a recompilation
+                q2s = list(layout.per_layer_values(q2s).unbind(0))
+        math_fn = _step_math if self._compiled is None or pooled else self._compiled
+        config = layout.configs.get(one_row)  # built once per layout and N = 1 pattern
+        if config is None:
+            groups = tuple(layer.groups for layer, _, _ in ready)
+            config = _StepConfig(running, self.bias_correction, self.rho, self.eps1, self.eps2, one_row, groups)
+            layout.configs[one_row] = config
+        means, variances = [m.mean for m in moments], [m.var for m in moments]
+        mu, var_t, after, steps, peak, q2_out = math_fn(
+            layout, config, means, variances, running_mus, before, steps_before, counts, fan_in, q2_flat, q2s,
+            grads_w, grads_b,
+        )  # fmt: skip
+        if pooled:
+            q2s = list(q2_out.unbind(0))
+        # (a layer this rank never ran has had its own warning: a NaN there is not reported again)
+        reported = [layer if layer.name not in self._not_run_here else None for layer, _, _ in ready]
+        self._unreported.append((reported, _host_copy(peak)))
+        if running:
+            total = layout.total
+            state = (after[:total], after[total : 2 * total], after[2 * total :])
+            views = list(
+                zip(
+                    layout.split(state[0]),
+                    layout.split(state[1]),
+                    layout.split_layers(steps),
+                    layout.split_layers(state[2]),
+                )
+            )
+            layout.last_state = (after, steps, views)
+            pending.items.extend(zip(runnings, views))
+        for (layer, _, grad_w), mu_l, var_t_l, q2, grad_b in zip(
+            ready, layout.split(mu), layout.split(var_t), q2s, grads_b
+        ):
+            mu_used = mu_l if grad_b is not None else None
+            layer.transform = StepTransform(mu_used, var_t_l, q2, layer.groups, layer.rows, layer.bias_rows)
             layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)
 
     def _layout(self, layers: list[_Layer], like: Tensor) -> FeatureLayout:
@@ -514,77 +734,56 @@ class BNPPreconditioner(ArgumentsRepr):
             )
         return layout
 
-    def _statistics_for_step(
-        self, ready: list[tuple[_Layer, Moments, Tensor]], layout: FeatureLayout, pending: PendingUpdate
+    def _state_before(
+        self, runnings: list[RunningStatistics], layout: FeatureLayout, batch: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """μ and σ² that P uses this step (Alg. 2/3 steps 1–2), all layers in one flat vector each."""
-        moments = [m for _, m, _ in ready]
-        total = layout.total
-        # [μ_H ; σ²_H] of every layer
-        batch = torch.cat([m.mean for m in moments] + [m.var for m in moments])
-        mu_h, var_h = batch[:total], batch[total:]
-        single = [i for i, m in enumerate(moments) if m.rows == 1]
-        if single and self.statistics == "batch":
-            raise ValueError(
-                f"statistics='batch' needs more than one row of input per step, but layer "
-                f"{ready[single[0]][0].name!r} saw 1; use statistics='running' for batch size 1"
-            )
-        for i in single:  # N = 1: σ²_H = (h − μ)² with the running μ before this step's update
-            layer = ready[i][0]
-            if layer.has_bias:
-                part = layout.slice(i)
-                var_h[part] = (mu_h[part] - layer.running.mu.to(mu_h.device, mu_h.dtype)).square()
-        if layout.uncentred_mask is not None:  # no bias: uncentred second moment σ²_H + μ_H², and μ stays 0
-            mu_uncentred = mu_h * layout.uncentred_mask
-            var_h.addcmul_(mu_uncentred, mu_uncentred)
-            mu_h.sub_(mu_uncentred)
-        if self.statistics == "batch":
-            return mu_h, var_h
-        runnings = [layer.running for layer, _, _ in ready]
-        # [m ; v] accumulators, m ← ρm + (1−ρ)μ_H, v ← ρv + (1−ρ)σ²_H
-        before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings])
-        if before.device != batch.device or before.dtype != batch.dtype:  # the model was moved or cast
-            for running in runnings:
-                running.to(batch.device, batch.dtype)
-            before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings])
-        after = ema_update(before, batch, self.rho)
-        steps = [r.steps + 1 for r in runnings]
-        # a NaN/Inf sample somewhere (or a float32 overflow of the sum: then the per-layer check finds all finite)
-        if not math.isfinite(batch.sum().item()):
-            self._keep_non_finite(ready, layout, batch, before, after, steps)
-        pending.items.extend(zip(runnings, _accumulator_states(after, layout, steps)))
-        scale: float | Tensor
-        shift: float | Tensor
-        if steps.count(steps[0]) == len(steps):  # every layer at the same step t: scalars
-            scale, shift = runnings[0].view_coefficients(steps[0])
-        else:
-            coefficients = [running.view_coefficients(t) for running, t in zip(runnings, steps)]
-            scale = layout.per_layer([scale for scale, _ in coefficients])
-            shift = layout.per_layer([shift for _, shift in coefficients])
-        if self.bias_correction:  # μ = m/(1 − ρ^t), σ² = v/(1 − ρ^t)
-            view = after * (scale if isinstance(scale, float) else scale.repeat(2))
-            return view[:total], view[total:]
-        return after[:total], after[total:] + shift  # the paper's view: μ = m, σ² = v + ρ^t
+        """The committed ``[m ; v ; d]`` of every layer and their step counts, as flat vectors: the previous
+        step's own vectors when every layer still holds the views it handed out (no copy), else gathered."""
+        last = layout.last_state
+        if last is not None and all(
+            r.mean_acc is m and r.var_acc is v and r._steps is t and r.decay is d
+            for r, (m, v, t, d) in zip(runnings, last[2])
+        ):
+            return last[0], last[1]
+        for running in runnings:  # the model was moved or cast
+            running.to(batch.device, batch.dtype)
+        before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings] + [r.decay for r in runnings])
+        steps = torch.cat(
+            [
+                r._steps if isinstance(r._steps, Tensor) else torch.tensor([r._steps], device=batch.device)
+                for r in runnings
+            ]
+        )
+        return before, steps
 
-    def _keep_non_finite(
-        self,
-        ready: list[tuple[_Layer, Moments, Tensor]],
-        layout: FeatureLayout,
-        batch: Tensor,
-        before: Tensor,
-        after: Tensor,
-        steps: list[int],
-    ) -> None:
-        """Layers whose batch statistics are not finite keep their committed accumulators (and step count)."""
-        total = layout.total
-        for i, (layer, _, _) in enumerate(ready):
-            part = layout.slice(i)
-            var_part = slice(part.start + total, part.stop + total)
-            if torch.isfinite(batch[part]).all() and torch.isfinite(batch[var_part]).all():
+    def _report(self) -> None:
+        """Warn about the layers whose statistics a past step found not finite or out of range, from the
+        host copies of their per-layer max σ²_H — only those whose copy has arrived (a step never waits)."""
+        while self._unreported:
+            layers, (host, done) = self._unreported[0]
+            if done is not None and not done.query():
+                return
+            self._unreported.pop(0)
+            peaks = host.numpy()
+            if math.isfinite(peaks.sum()):  # the usual case: nothing to report (an inf sum falls through)
                 continue
-            after[part], after[var_part] = before[part], before[var_part]
-            steps[i] -= 1
-            self._warn(layer, "non-finite", _NON_FINITE)
+            for layer, peak in zip(layers, peaks.tolist()):
+                if layer is None:
+                    continue
+                if math.isnan(peak):
+                    self._warn(layer, "non-finite", _NON_FINITE if self.statistics == "running" else _NON_FINITE_BATCH)
+                elif math.isinf(peak):
+                    root, name = math.sqrt(torch.finfo(host.dtype).max), str(host.dtype).removeprefix("torch.")
+                    message = _OVERFLOW.format(dtype=name, root=root, ceiling=_ceiling(host.dtype))
+                    self._warn(layer, "overflow", message)
+
+    def flush_warnings(self) -> None:
+        """Raise now the warnings about non-finite or overflowing statistics that the steps so far have
+        found (normally raised by the next step); waits for the device."""
+        for _, (_, done) in self._unreported:
+            if done is not None:
+                done.synchronize()
+        self._report()
 
     def _pool(self, layers: list[_Layer]) -> list[Moments]:
         """This step's moments per layer, pooled over ranks when syncing (one collective)."""

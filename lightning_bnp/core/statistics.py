@@ -55,9 +55,9 @@ class Moments:
         var: per-feature biased (1/n) variance σ²_H of eq. 13 / 22, same dtype.
     """
 
-    rows: int
-    samples: int
-    out_positions: int
+    rows: int | Tensor
+    samples: int | Tensor
+    out_positions: int | Tensor
     mean: Tensor
     var: Tensor
 
@@ -67,7 +67,12 @@ class Moments:
         return self.var * self.rows
 
     def merge(self, other: Moments) -> Moments:
-        """Combine two disjoint parts (Chan, Golub & LeVeque pairwise update)."""
+        """Combine two disjoint parts (Chan, Golub & LeVeque pairwise update).
+
+        Counts that are tensors (pooled from other ranks, :meth:`unpack`) stay on the device: the merge then
+        reads nothing back to the host (two empty parts give an empty part with μ = σ² = 0)."""
+        if isinstance(self.rows, Tensor) or isinstance(other.rows, Tensor):
+            return self._merge_on_device(other)
         if other.rows == 0:
             return self
         if self.rows == 0:
@@ -80,23 +85,46 @@ class Moments:
         var.addcmul_(delta, delta, value=self.rows * other.rows / n**2)
         return Moments(n, self.samples + other.samples, self.out_positions + other.out_positions, mean, var)
 
+    def _merge_on_device(self, other: Moments) -> Moments:
+        rows_a, rows_b = _as_tensor(self.rows, self.mean), _as_tensor(other.rows, self.mean)
+        n = rows_a + rows_b
+        share = rows_b / n.clamp_min(1.0)  # float64; 0 when both parts are empty
+        delta = other.mean - self.mean
+        mean = self.mean + delta * share.to(delta.dtype)
+        var = torch.lerp(self.var, other.var, share.to(self.var.dtype))
+        var = var + delta.square() * (share * (rows_a / n.clamp_min(1.0))).to(var.dtype)
+        samples = _as_tensor(self.samples, self.mean) + _as_tensor(other.samples, self.mean)
+        positions = _as_tensor(self.out_positions, self.mean) + _as_tensor(other.out_positions, self.mean)
+        return Moments(n, samples, positions, mean, var)
+
     def pack(self) -> Tensor:
         """Flatten to one float64 vector ``[rows, samples, out_positions, mean…, var…]`` (for collectives)."""
-        head = torch.tensor([self.rows, self.samples, self.out_positions], dtype=torch.float64, device=self.mean.device)
+        counts = (self.rows, self.samples, self.out_positions)
+        if any(isinstance(c, Tensor) for c in counts):
+            head = torch.stack([_as_tensor(c, self.mean) for c in counts])
+        else:
+            head = torch.tensor(counts, dtype=torch.float64, device=self.mean.device)
         return torch.cat([head, self.mean.double(), self.var.double()])
 
     @staticmethod
     def unpack(flat: Tensor, features: int, dtype: torch.dtype) -> Moments:
-        """Inverse of :meth:`pack` for a vector of ``3 + 2·features`` entries."""
-        rows, samples, positions = (int(v) for v in flat[:3].tolist())
+        """Inverse of :meth:`pack` for a vector of ``3 + 2·features`` entries. The counts stay on the device
+        (float64 0-dim tensors): nothing is read back to the host."""
         mean = flat[3 : 3 + features].to(dtype)
         var = flat[3 + features : 3 + 2 * features].to(dtype)
-        return Moments(rows, samples, positions, mean, var)
+        return Moments(flat[0], flat[1], flat[2], mean, var)
 
     @staticmethod
     def empty(features: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Moments:
         zeros = torch.zeros(features, dtype=dtype, device=device)
         return Moments(0, 0, 0, zeros, zeros.clone())
+
+
+def _as_tensor(count: int | Tensor, like: Tensor) -> Tensor:
+    """A count as a float64 0-dim tensor on ``like``'s device."""
+    if isinstance(count, Tensor):
+        return count
+    return torch.tensor(float(count), dtype=torch.float64, device=like.device)
 
 
 def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -301,7 +329,21 @@ class RunningStatistics:
         self.bias_correction = bias_correction
         self.mean_acc = torch.zeros(features, dtype=dtype, device=device)
         self.var_acc = torch.zeros(features, dtype=dtype, device=device)
-        self.steps = 0
+        # ρ^t, kept on the device next to the accumulators (the step updates it with them, d ← ρ·d)
+        self.decay = torch.ones(1, dtype=dtype, device=device)
+        self._steps: int | Tensor = 0  # t: a host int, or a (1,) int64 tensor that the step counts on the device
+
+    @property
+    def steps(self) -> int:
+        """The number of updates t. After a step it lives on the device (a step whose statistics were not
+        finite does not count, and which one that was is decided there): reading it waits for the device."""
+        steps = self._steps
+        return steps if isinstance(steps, int) else int(steps.item())
+
+    @steps.setter
+    def steps(self, steps: int) -> None:
+        self._steps = steps
+        self.decay = torch.full((1,), self.rho**steps, dtype=self.mean_acc.dtype, device=self.mean_acc.device)
 
     def view_coefficients(self, steps: int) -> tuple[float, float]:
         """(scale, shift) with μ = scale·m_t and σ² = scale·v_t + shift, for t ≥ 1."""
@@ -324,6 +366,12 @@ class RunningStatistics:
         scale = 1.0 / (1.0 - self.rho**self.steps)
         return self.mean_acc * scale, self.var_acc * scale
 
+    def device_mu(self) -> Tensor:
+        """μ of the configured view computed on the device from ρ^t (no read of t; 0 before any update)."""
+        if not self.bias_correction:
+            return self.mean_acc  # μ = m, and m = 0 before any update
+        return self.mean_acc / (1.0 - self.decay).clamp_min(torch.finfo(self.decay.dtype).tiny)
+
     @property
     def mu(self) -> Tensor:
         return self.view(self.mean_acc, self.var_acc, self.steps)[0]
@@ -336,17 +384,31 @@ class RunningStatistics:
         """Accumulator state after one step with batch statistics (μ_H, σ²_H); does not commit."""
         return ema_update(self.mean_acc, mu_h, self.rho), ema_update(self.var_acc, var_h, self.rho), self.steps + 1
 
-    def assign(self, mean_acc: Tensor, var_acc: Tensor, steps: int) -> None:
-        self.mean_acc, self.var_acc, self.steps = mean_acc, var_acc, steps
+    def assign(self, mean_acc: Tensor, var_acc: Tensor, steps: int | Tensor, decay: Tensor | None = None) -> None:
+        """Store an accumulator state; ``steps`` and ``decay`` (ρ^t, shape (1,)) may be device tensors."""
+        if decay is None:
+            assert isinstance(steps, int)
+            self.mean_acc, self.var_acc, self.steps = mean_acc, var_acc, steps
+        else:
+            self.mean_acc, self.var_acc, self._steps, self.decay = mean_acc, var_acc, steps, decay
 
     def to(self, device: torch.device, dtype: torch.dtype) -> None:
         """Follow the model when it is moved or cast after set-up."""
         if self.mean_acc.device != device or self.mean_acc.dtype != dtype:
             self.mean_acc = self.mean_acc.to(device, dtype)
             self.var_acc = self.var_acc.to(device, dtype)
+            self.decay = self.decay.to(device, dtype)
+            if isinstance(self._steps, Tensor):
+                self._steps = self._steps.to(device)
 
     def state_dict(self) -> dict[str, object]:
-        return {"mean_acc": self.mean_acc.cpu().clone(), "var_acc": self.var_acc.cpu().clone(), "steps": self.steps}
+        # ρ^t as the steps computed it (d ← ρ·d in the statistics' dtype), so that a resumed run is bit-identical
+        return {
+            "mean_acc": self.mean_acc.cpu().clone(),
+            "var_acc": self.var_acc.cpu().clone(),
+            "steps": self.steps,
+            "decay": self.decay.cpu().clone(),
+        }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         mean_acc, var_acc = state["mean_acc"], state["var_acc"]
@@ -359,7 +421,10 @@ class RunningStatistics:
         device, dtype = self.mean_acc.device, self.mean_acc.dtype
         self.mean_acc = mean_acc.to(device=device, dtype=dtype).clone()
         self.var_acc = var_acc.to(device=device, dtype=dtype).clone()
-        self.steps = int(state["steps"])  # type: ignore[call-overload]
+        self.steps = int(state["steps"])  # type: ignore[call-overload]  # sets ρ^t too
+        decay = state.get("decay")  # absent from states saved before issue 28: ρ^t from t
+        if isinstance(decay, Tensor):
+            self.decay = decay.to(device=device, dtype=dtype).reshape(1).clone()
 
 
 def ema_update(accumulator: Tensor, batch: Tensor, rho: float) -> Tensor:

@@ -98,7 +98,7 @@ def precondition_(
     grad_b: Tensor | None,
     mu: Tensor | None,
     var_t: Tensor,
-    q2: float,
+    q2: float | Tensor,
     groups: int = 1,
 ) -> None:
     """Apply (1/q²)·P·Pᵀ to one layer's gradients, in place (Alg. 2/3 steps 4–5).
@@ -109,7 +109,7 @@ def precondition_(
         mu: mean μ per input channel (c_in,) or per im2col column (c_in·kernel volume,), or ``None`` for a
             layer without bias.
         var_t: σ̃², same length as μ.
-        q2: the scale q².
+        q2: the scale q² (a float, or a 0-dim tensor when it comes from counts pooled over ranks).
         groups: convolution groups (1 for Linear).
     """
     precondition_many_([grad_w], [grad_b], [mu], [var_t], [q2], [groups])
@@ -121,15 +121,20 @@ def precondition_many_(
     grads_b: Sequence[Tensor | None],
     mus: Sequence[Tensor | None],
     var_ts: Sequence[Tensor],
-    q2s: Sequence[float],
+    q2s: Sequence[float | Tensor],
     groups: Sequence[int],
 ) -> None:
     """:func:`precondition_` for several layers at once, with ``torch._foreach_*`` kernels.
 
     A layer is centred (has the μ block of P) when both its ``grads_b`` and ``mus`` entries are given.
     """
-    # q² σ̃² in the statistics' dtype (float32 or float64)
-    precondition_scaled_(grads_w, grads_b, mus, torch._foreach_mul(list(var_ts), list(q2s)), q2s, groups)
+    # q² σ̃² in the statistics' dtype (float32 or float64); q² may be a 0-dim tensor (counts pooled over ranks)
+    scales: Sequence[Tensor]
+    if any(isinstance(q2, Tensor) for q2 in q2s):
+        scales = [var_t * q2 for var_t, q2 in zip(var_ts, q2s)]
+    else:
+        scales = torch._foreach_mul(list(var_ts), list(q2s))  # type: ignore[arg-type]
+    precondition_scaled_(grads_w, grads_b, mus, scales, q2s, groups)
 
 
 def precondition_scaled_(
@@ -137,7 +142,7 @@ def precondition_scaled_(
     grads_b: Sequence[Tensor | None],
     mus: Sequence[Tensor | None],
     scales: Sequence[Tensor],
-    q2s: Sequence[float],
+    q2s: Sequence[float | Tensor],
     groups: Sequence[int],
 ) -> None:
     """:func:`precondition_many_` given ``scales`` = q²·σ̃² per layer (the step computes them for all layers
@@ -146,7 +151,8 @@ def precondition_scaled_(
     with torch.no_grad():
         gw, scale_w, centred, mu_w, gb_w, columns = [], [], [], [], [], []
         for i, (g, k, scale, gb, mu) in enumerate(zip(grads_w, groups, scales, grads_b, mus)):
-            g_shape, v_shape, b_shape, per_column = _broadcast_shapes(tuple(g.shape), k, scale.numel())
+            shapes = _broadcast_shapes.__wrapped__ if torch.compiler.is_compiling() else _broadcast_shapes
+            g_shape, v_shape, b_shape, per_column = shapes(tuple(g.shape), k, scale.numel())
             columns.append(per_column)
             g = g if g_shape is None else g.view(g_shape)
             scale = scale if scale.dtype == g.dtype else scale.to(g.dtype)  # applied in the gradient's dtype
@@ -161,8 +167,13 @@ def precondition_scaled_(
             torch._foreach_addcmul_([gw[i] for i in centred], mu_w, gb_w, value=-1.0)
         torch._foreach_div_(gw, scale_w)  # ÷ q²σ̃²_j
         for i, mu in zip(centred, mu_w):  # G_b ← G_b/q² − Σ_j μ_j G_w_new[i, j]
-            g, grad_b, beta = gw[i], grads_b[i], 1.0 / q2s[i]
+            g, grad_b, q2 = gw[i], grads_b[i], q2s[i]
             assert grad_b is not None
+            if isinstance(q2, Tensor):  # on the device (counts pooled over ranks): never read back
+                grad_b.div_(q2)
+                beta = 1.0
+            else:
+                beta = 1.0 / q2
             if groups[i] == 1:  # kernel positions summed first: (out, c_in); per column: (out, c_in·k)
                 per_channel = g if g.dim() == 2 else (g.flatten(1) if columns[i] else g.flatten(2).sum(-1))
                 grad_b.addmv_(per_channel, mu if mu.dim() == 1 else mu.view(-1), beta=beta, alpha=-1.0)

@@ -91,3 +91,54 @@ def test_a_graph_compiled_without_bnp_is_reused_unless_dynamo_guards_hooks(guard
                 pre = train(model, "eager")
             assert all(layer.running.steps == 0 for layer in pre.layers.values())
     torch._dynamo.reset()
+
+
+def train_with_compiled_step(
+    backend: str | None, steps: int = 4, **options: object
+) -> tuple[nn.Module, BNPPreconditioner]:
+    """``train`` with the model compiled by ``backend`` and the BNP step compiled too (issue 28 item 2);
+    ``backend=None``: everything eager."""
+    model = make_cnn()
+    pre = BNPPreconditioner(model, **options)  # type: ignore[arg-type]
+    if backend is not None:
+        pre.compile_step(backend=backend)
+    forward = model if backend is None else torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(6, 1, 8, 8, generator=g) * 2 + 1
+        y = torch.randint(0, 3, (6,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(forward(x), y).backward()
+        pre.step(opt)
+        opt.step()
+    return model, pre
+
+
+@pytest.mark.parametrize(
+    ("backend", "options"),
+    [
+        ("eager", {}),
+        ("aot_eager", {}),
+        pytest.param("inductor", {}, marks=BACKENDS[2].marks),  # type: ignore[union-attr]
+        ("eager", {"bias_correction": True}),
+        ("eager", {"statistics": "batch"}),
+        ("eager", {"conv_statistics": "column"}),
+    ],
+)
+def test_the_compiled_step_is_one_graph_and_trains_like_eager(backend: str, options: dict[str, object]) -> None:
+    """Issue 28 item 2: the step's statistics update and transform trace whole (``fullgraph=True`` fails on any
+    graph break) and give eager's parameters and statistics."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager_model, eager = train_with_compiled_step(None, **options)
+    compiled_model, compiled = train_with_compiled_step(backend, **options)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert compiled._compiled is not None
+    for (name, p), q in zip(eager_model.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    for name, layer in eager.layers.items():
+        other = compiled.layers[name].running
+        assert other.steps == layer.running.steps == (0 if options.get("statistics") == "batch" else 4)
+        torch.testing.assert_close(other.mean_acc, layer.running.mean_acc, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(other.var_acc, layer.running.var_acc, rtol=1e-5, atol=1e-6, msg=name)
