@@ -72,11 +72,25 @@ class Job:
     momentum: float = 0.0
     weight_decay: float = 0.0
     warmup_steps: int = 0
+    eval_samples: int = 0  # > 0: accuracy on the first this many images of each split
 
     @classmethod
     def of(cls, s: Setting, method: str, lr: float, seed: int) -> Job:
         warmup = min(s.warmup_epochs * s.steps_per_epoch, s.steps)
-        return cls(s.model, method, s.batch, lr, seed, s.steps, s.evals, s.kappa, s.momentum, s.weight_decay, warmup)
+        return cls(
+            s.model,
+            method,
+            s.batch,
+            lr,
+            seed,
+            s.steps,
+            s.evals,
+            s.kappa,
+            s.momentum,
+            s.weight_decay,
+            warmup,
+            s.eval_samples,
+        )
 
     @property
     def cost(self) -> float:
@@ -106,8 +120,11 @@ def runs_of(results: dict[Job, Run], s: Setting, method: str, lr: float) -> list
     return [results[Job.of(s, method, lr, seed)] for seed in range(s.seeds)]
 
 
-def accuracy(net: nn.Module, split: str) -> float:
+def accuracy(net: nn.Module, split: str, samples: int = 0) -> float:
+    """Accuracy on ``split`` (its first ``samples`` images when > 0)."""
     x, y = data()[split]
+    if samples > 0:
+        x, y = x[:samples], y[:samples]
     net.eval()
     with torch.no_grad():
         acc = float((net(x).argmax(1) == y).float().mean())
@@ -130,8 +147,8 @@ def train(job: Job) -> Run:
 
     def record() -> None:
         run.steps.append(step)
-        run.val.append(accuracy(net, "val"))
-        run.test.append(accuracy(net, "test"))
+        run.val.append(accuracy(net, "val", job.eval_samples))
+        run.test.append(accuracy(net, "test", job.eval_samples))
         run.loss.append(sum(pending) / len(pending) if pending else math.nan)
         pending.clear()
 

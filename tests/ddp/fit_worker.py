@@ -67,7 +67,7 @@ def release_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--devices", type=int, default=2)
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--statistics", choices=["running", "batch"], default="running")
     parser.add_argument("--gradient-penalty", type=float, default=0.0)
     parser.add_argument("--conv-statistics", choices=["channel", "column"], default="channel")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     make_net, shape = NETS[args.net]

@@ -1,8 +1,14 @@
-"""Run a DDP worker module (``python -m tests.ddp.<worker>``) as a subprocess and read back the
-per-rank state files it wrote (``rank*.pt`` in ``out``)."""
+"""Run a DDP worker module (``python -m tests.ddp.<worker>``) and read back the per-rank state files it wrote
+(``rank*.pt`` in ``out``).
+
+A run on several devices is a subprocess (Lightning launches the other ranks from it). A one-process reference
+run (``--devices 1``) runs in this process: the same ``main`` with the same arguments, without the seconds a
+fresh interpreter spends importing torch and Lightning (issue 27: the suite's speed).
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -14,9 +20,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _one_process(args: tuple[str, ...]) -> bool:
+    return "--devices" in args and args[args.index("--devices") + 1] == "1"
+
+
 def run_worker(worker: str, out: Path, *args: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", f"tests.ddp.{worker}", "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    argv = ["--out", str(out), *args]
+    if _one_process(args):
+        importlib.import_module(f"tests.ddp.{worker}").main(argv)
+    else:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+        cmd = [sys.executable, "-m", f"tests.ddp.{worker}", *argv]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(path, weights_only=False) for path in sorted(out.glob("rank*.pt"))]

@@ -70,12 +70,12 @@ class SaveFinalState(pl.Callback):
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--monitors", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     bnp, logger = BatchNormPreconditioning(), EveryRankLogger()

@@ -42,7 +42,7 @@ class SaveFinalState(pl.Callback):
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--devices", type=int, default=2)
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--mode", default="row_column")
     parser.add_argument("--bnp", action="store_true", help="add BatchNormPreconditioning on top")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     callbacks: list[pl.Callback] = [WeightConditioning(mode=args.mode), SaveFinalState(args.out)]
