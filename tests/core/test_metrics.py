@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
@@ -79,6 +79,8 @@ def test_kappa_d_leaves_out_dead_units() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 3), st.booleans())
+@example(3, 2, True)
+@example(2, 3, False)
 def test_neuron_p_reproduces_the_bnp_transform(cin: int, kv: int, bias: bool) -> None:
     """(1/q²)·P·Pᵀ·g with the metric's P equals the gradient transform (so κ(PᵀHP) is BNP's)."""
     mu, var_t, q2 = torch.randn(cin).double(), torch.rand(cin).double() + 0.1, 1.7

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
@@ -62,6 +62,10 @@ def layer_shapes(draw: st.DrawFn) -> tuple[tuple[int, ...], int]:
 
 @settings(max_examples=60, deadline=None)
 @given(layer_shapes(), st.booleans(), st.floats(0.5, 20.0), st.integers(0, 2**31 - 1))
+@example(((6, 2, 2, 3), 3), True, 2.5, 0)  # grouped Conv2d, centred: the batched per-group bias update
+@example(((6, 2, 2, 1, 2), 2), False, 3.0, 1)  # grouped Conv3d without bias
+@example(((3, 4, 3), 1), True, 1.5, 2)  # Conv1d, kernel positions summed for the bias
+@example(((4, 3), 1), True, 0.7, 3)  # Linear
 def test_transform_equals_explicit_matrix(
     shape_groups: tuple[tuple[int, ...], int], with_bias: bool, q2: float, seed: int
 ) -> None:
