@@ -212,6 +212,9 @@ def test_empty_and_unbatched_inputs() -> None:
     conv = nn.Conv2d(2, 3, 3).double()
     empty = column_moments_of_input(conv, torch.zeros(0, 2, 5, 5, dtype=torch.float64), torch.zeros(0, 3, 3, 3))
     assert empty.rows == 0 and empty.mean.shape == (18,)
+    assert empty.mean.dtype == empty.var.dtype == torch.float64  # the dtype of the statistics it would have had
+    half = column_moments_of_input(conv, torch.zeros(0, 2, 5, 5, dtype=torch.float16), torch.zeros(0, 3, 3, 3))
+    assert half.mean.dtype == half.var.dtype == torch.float32
     x = torch.randn(2, 5, 5, dtype=torch.float64)
     single = column_moments_of_input(conv, x, conv(x))
     batched = column_moments_of_input(conv, x[None], conv(x[None]))

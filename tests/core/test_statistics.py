@@ -108,6 +108,22 @@ def test_pack_round_trip() -> None:
     torch.testing.assert_close(back.m2, m.m2)
 
 
+def test_empty_moments_are_zeros_of_the_given_dtype_and_merge_as_the_identity() -> None:
+    """What a rank that saw no rows sends under DDP (``pack``): all zeros, so that the pooled counts are the
+    other ranks' (issue 27: survivors of `make mutate` in ``Moments.empty``)."""
+    empty = Moments.empty(3, torch.device("cpu"), torch.float64)
+    assert empty.mean.dtype == empty.var.dtype == torch.float64
+    assert torch.equal(empty.pack(), torch.zeros(9, dtype=torch.float64))
+    assert Moments.empty(2, torch.device("cpu")).mean.dtype == torch.float32
+    part = Moments(4, 2, 6, torch.ones(3, dtype=torch.float64), torch.full((3,), 2.0, dtype=torch.float64))
+    for merged in (empty.merge(part), part.merge(empty)):
+        assert (merged.rows, merged.samples, merged.out_positions) == (4, 2, 6)
+        assert torch.equal(merged.mean, part.mean) and torch.equal(merged.var, part.var)
+    back = Moments.unpack(part.pack(), 3, torch.float64)
+    assert (back.rows, back.samples, back.out_positions) == (4, 2, 6)
+    assert torch.equal(back.mean, part.mean) and torch.equal(back.var, part.var)
+
+
 @pytest.mark.parametrize("bias_correction", [False, True])
 def test_data_view_is_the_bias_corrected_average_whichever_view_p_uses(bias_correction: bool) -> None:
     rho = 0.9
