@@ -124,6 +124,15 @@ def test_empty_moments_are_zeros_of_the_given_dtype_and_merge_as_the_identity() 
     assert torch.equal(back.mean, part.mean) and torch.equal(back.var, part.var)
 
 
+def test_an_empty_batch_gives_empty_moments_of_the_layers_width_and_dtype() -> None:
+    conv, linear = nn.Conv2d(3, 2, 3), nn.Linear(4, 2)
+    for layer, h, features in ((conv, torch.zeros(0, 3, 5, 5), 3), (linear, torch.zeros(0, 4), 4)):
+        for dtype, expected in ((torch.float64, torch.float64), (torch.float16, torch.float32)):
+            m = moments_of_input(layer, h.to(dtype), torch.zeros(0, 2))
+            assert m.rows == 0 and m.mean.shape == m.var.shape == (features,)
+            assert m.mean.dtype == m.var.dtype == expected
+
+
 @pytest.mark.parametrize("bias_correction", [False, True])
 def test_data_view_is_the_bias_corrected_average_whichever_view_p_uses(bias_correction: bool) -> None:
     rho = 0.9
