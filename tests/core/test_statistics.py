@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_bnp.core.statistics import Moments, RunningStatistics, moments_of_input
+from lightning_bnp.core.statistics import Moments, RunningStatistics, column_moments_of_input, moments_of_input
 
 
 def test_linear_pools_all_leading_dimensions() -> None:
@@ -131,6 +131,30 @@ def test_an_empty_batch_gives_empty_moments_of_the_layers_width_and_dtype() -> N
             m = moments_of_input(layer, h.to(dtype), torch.zeros(0, 2))
             assert m.rows == 0 and m.mean.shape == m.var.shape == (features,)
             assert m.mean.dtype == m.var.dtype == expected
+
+
+def test_statistics_stay_on_the_device_of_their_input() -> None:
+    """Every tensor the statistics make lives where the layer input or the accumulators live. Checked on the
+    ``meta`` device, so that a tensor made on the default device shows on a CPU-only machine (issue 27: the
+    `device=` arguments were `make mutate` survivors)."""
+    meta = torch.device("meta")
+    conv, linear = nn.Conv2d(2, 3, 3, padding=1), nn.Linear(4, 2)
+    cases = [
+        (moments_of_input, conv, torch.empty(2, 2, 5, 5, device=meta), torch.empty(2, 3, 5, 5, device=meta)),
+        (moments_of_input, conv, torch.empty(0, 2, 5, 5, device=meta), torch.empty(0, 3, 5, 5, device=meta)),
+        (moments_of_input, linear, torch.empty(0, 4, device=meta), torch.empty(0, 2, device=meta)),
+        (column_moments_of_input, conv, torch.empty(2, 2, 5, 5, device=meta), torch.empty(2, 3, 5, 5, device=meta)),
+        (column_moments_of_input, conv, torch.empty(0, 2, 5, 5, device=meta), torch.empty(0, 3, 5, 5, device=meta)),
+    ]
+    for moments, layer, h, out in cases:
+        m = moments(layer.to(meta), h, out)
+        assert m.mean.device == m.var.device == meta, (moments.__name__, tuple(h.shape))
+        assert m.pack().device == meta
+    running = RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu"))
+    running.to(meta, torch.float32)
+    assert running.mean_acc.device == running.var_acc.device == meta
+    running.load_state_dict(RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu")).state_dict())
+    assert running.mean_acc.device == running.var_acc.device == meta
 
 
 @pytest.mark.parametrize("bias_correction", [False, True])
