@@ -82,7 +82,8 @@ def test_chan_merge_is_the_pooled_mean_and_variance_to_rounding() -> None:
     """Issue 27: the merge in float64, where the parts' own moments are exact to rounding, so that any change of
     the pairwise update (its δ² term is ~1e-3 of σ² here) shows: pooled μ, σ², rows, samples and positions."""
     g = torch.Generator().manual_seed(0)
-    h = 1e4 + torch.randn(1000, 3, generator=g, dtype=torch.float64) * torch.tensor([0.1, 1.0, 10.0], dtype=torch.float64)
+    spread = torch.tensor([0.1, 1.0, 10.0], dtype=torch.float64)
+    h = 1e4 + torch.randn(1000, 3, generator=g, dtype=torch.float64) * spread
     h[:300] += 0.05  # parts with different means: δ² n_a n_b / n² is a visible share of σ²
     layer = nn.Linear(3, 1)
     merged = Moments.empty(3, torch.device("cpu"), torch.float64)
@@ -153,7 +154,8 @@ def test_statistics_stay_on_the_device_of_their_input() -> None:
     running = RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu"))
     running.to(meta, torch.float32)
     assert running.mean_acc.device == running.var_acc.device == meta
-    running.load_state_dict(RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu")).state_dict())
+    saved = RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu")).state_dict()
+    running.load_state_dict(saved)
     assert running.mean_acc.device == running.var_acc.device == meta
 
 
