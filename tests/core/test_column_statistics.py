@@ -137,6 +137,7 @@ def conv_layers(draw: st.DrawFn) -> tuple[nn.modules.conv._ConvNd, tuple[int, ..
          1, 0)  # fmt: skip
 @example((nn.Conv1d(1, 2, 3, stride=2, padding=2, dilation=2, bias=False).double(), (1, 1, 5)), 2, 1)
 @example((nn.Conv2d(2, 2, 3).double(), (1, 2, 3, 3)), 1, 2)
+@example((nn.Conv2d(2, 2, 3, bias=False).double(), (1, 2, 3, 3)), 1, 4)  # N = 1 without bias: no (h − μ)² rule
 @example((nn.Conv3d(2, 2, (2, 3, 1), stride=(1, 2, 2), padding=(1, 0, 2), dilation=(2, 1, 1)).double(),
           (3, 2, 4, 5, 3)), 1, 3)  # fmt: skip
 def test_column_mode_is_dense_alg2_on_the_unfolded_input(
