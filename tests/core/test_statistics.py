@@ -151,6 +151,9 @@ def test_statistics_stay_on_the_device_of_their_input() -> None:
         m = moments(layer.to(meta), h, out)
         assert m.mean.device == m.var.device == meta, (moments.__name__, tuple(h.shape))
         assert m.pack().device == meta
+    made = RunningStatistics(3, rho=0.9, bias_correction=False, device=meta, dtype=torch.float64)
+    for acc in (made.mean_acc, made.var_acc):
+        assert acc.device == meta and acc.dtype == torch.float64
     running = RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu"))
     running.to(meta, torch.float32)
     assert running.mean_acc.device == running.var_acc.device == meta
