@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test reproduce bench clean
+.PHONY: demo test reproduce bench mutate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,5 +37,18 @@ bench: reproduce
 	$(BIN)/python -m benchmarks.weight_conditioning
 	$(BIN)/python -m benchmarks.monitor_overhead
 
+# `make mutate` – mutation testing of lightning_bnp/core and lightning_bnp/callbacks with mutmut (settings:
+# [tool.mutmut] in pyproject.toml). Each mutant runs against the fast unit tests that call the function it
+# changes (tests/core and tests/callbacks without the slow, DDP and torch.compile tests). Not in CI: hours on
+# 2 cores. It resumes: mutants with a result are not run again, unless MUTATE names their modules, e.g.
+#   make mutate MUTATE=lightning_bnp.core.statistics MUTATE_JOBS=1
+# `$(BIN)/mutmut results` lists the survivors, `$(BIN)/mutmut show NAME` shows one; tests/MUTANTS.md lists
+# those argued equivalent.
+MUTATE ?=
+MUTATE_JOBS ?= 2
+mutate: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children $(MUTATE_JOBS) $(foreach m,$(MUTATE),'$(m).*')
+	$(BIN)/mutmut results
+
 clean:
-	rm -rf $(VENV) runs benchmarks/out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs benchmarks/out .pytest_cache .mypy_cache .ruff_cache mutants

@@ -361,6 +361,43 @@ def test_effective_lr_is_for_sgd_only() -> None:
     assert probes.learning_rates(trainer) == {id(w): 0.1}  # type: ignore[arg-type]
 
 
+class AdamClassifier(BoringClassifier):
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def test_effective_lr_is_not_logged_for_adam_end_to_end(tmp_path: Path) -> None:
+    """Issue 27: η/‖w‖² is (S)GD's effective rate (paper 002); a scale-invariant layer that Adam trains logs its
+    ‖w‖² and cos∠(w, ∇w), never an effective_lr (whose η would not be the step it takes)."""
+    model = AdamClassifier(bn_net(), lr=0.01)
+    monitor = ConditionNumberMonitor(every_n_steps=1, kappa_d=False, hessian_block=False, weight_kappa=False)
+    trainer = _fit(tmp_path, model, make_data(n=32), batch_size=16, callbacks=[monitor], max_steps=2,
+                   logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    logged = scalars(trainer)
+    assert monitor._scale_invariant == {"network.0": 8}  # found as with SGD
+    assert [s for s, _ in logged["bnp/weight_norm_sq/network.0"]] == [0, 1]
+    assert "bnp/weight_grad_cosine/network.0" in logged
+    assert not [tag for tag in logged if tag.startswith("bnp/effective_lr")]
+
+
+def test_kappa_d_of_a_bias_free_layer_has_no_bias_entry(tmp_path: Path) -> None:
+    """Issue 27: without a bias, D = diag(σ)⁻¹ with no leading 1 (the layer has no centring block); σ² is the
+    uncentred second moment that BNP equilibrates. With every σ > 1 the 1 would change κ(D): σ_max instead of
+    σ_max/σ_min."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 5, generator=g) * torch.tensor([2.0, 3.0, 5.0, 8.0, 13.0]) + 1.0
+    data = torch.utils.data.TensorDataset(x, torch.randint(0, 3, (16,), generator=g))
+    model = BoringClassifier(nn.Sequential(nn.Linear(5, 3, bias=False)))
+    callbacks = [BatchNormPreconditioning(), ConditionNumberMonitor(every_n_steps=1, hessian_block=False)]
+    trainer = _fit(tmp_path, model, data, batch_size=16, callbacks=callbacks, max_steps=1,
+                   logger=TensorBoardLogger(tmp_path))  # fmt: skip
+    sigma = x.double().square().mean(0).sqrt()  # step 0's bias-corrected running average: the batch's E[h²]
+    expected = float(torch.linalg.cond(torch.diag(1 / sigma)))
+    assert expected < float(sigma.max()) / 1.5  # the bias entry would show
+    assert scalars(trainer)["bnp/kappa_D/network.0"][0][1] == pytest.approx(expected, rel=1e-5)
+
+
 def test_transposed_convolutions_are_not_neuron_layers() -> None:
     assert probes.is_neuron_layer(nn.Conv1d(2, 3, 1)) and probes.is_neuron_layer(nn.Linear(2, 3))
     assert not probes.is_neuron_layer(nn.ConvTranspose2d(2, 3, 1))  # weight[i] is an input channel's

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
 from typing_extensions import override
@@ -337,3 +339,43 @@ def test_gradient_penalty_skips_a_none_micro_batch_under_accumulation(tmp_path: 
         results.append(_params(model))
     torch.testing.assert_close(results[0], results[1])
     assert not torch.equal(results[0], _params(SkippingClassifier(make_net(), skip=set())))  # it did train
+
+
+@pytest.mark.parametrize(("groups", "conv_statistics"), [(1, "channel"), (2, "channel"), (2, "column")])
+def test_z_decay_on_convolutions_is_the_formula(tmp_path: Path, groups: int, conv_statistics: str) -> None:
+    """Issue 27: decay in z with the default ``exclude_bias_and_norm=True`` adds 2λ·w to every weight and
+    −2λ·Σ_j μ_j w_ij to a centred layer's bias, j over what neuron i sees: its group's input channels summed over
+    the kernel offsets (per-channel μ), or its group's im2col columns (per-column μ). The difference of one SGD
+    step with and without the decay is −lr times that term; μ is the first step's batch mean, from the input."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=groups), nn.Tanh(), nn.Flatten(), nn.Linear(64, 3))
+    data = make_data(n=BATCH, shape=(4, 4, 4))
+
+    def one_step(callbacks: list[Any]) -> dict[str, Tensor]:
+        model = BoringClassifier(copy.deepcopy(net), lr=LR)
+        bnp = BatchNormPreconditioning(bias_correction=True, conv_statistics=conv_statistics)  # type: ignore[arg-type]
+        _fit(tmp_path, model, data, batch_size=BATCH, callbacks=[bnp, *callbacks], max_steps=1, precision="64-true")
+        return {k: v.detach() for k, v in model.network.state_dict().items()}
+
+    decayed, plain = one_step([ZSpaceRegularization(weight_decay=LAM)]), one_step([])
+    ref = copy.deepcopy(net).double()
+    x = data.tensors[0].double()
+    w_conv, w_lin = ref[0].weight.detach(), ref[3].weight.detach()
+    expected = {"0.weight": 2 * LAM * w_conv, "3.weight": 2 * LAM * w_lin}
+    hidden = ref[2](ref[1](ref[0](x))).detach()
+    expected["3.bias"] = -2 * LAM * w_lin @ hidden.mean(0)
+    per_group, out_per_group = 4 // groups, 4 // groups
+    if conv_statistics == "channel":
+        mu = x.mean((0, 2, 3))  # (c_in,)
+        seen = w_conv.sum((2, 3))  # (out, c_in/groups): kernel offsets summed
+    else:
+        mu = F.unfold(x, 3, padding=1).mean((0, 2))  # (c_in·9,), channel-major like weight[o].flatten()
+        seen = w_conv.flatten(1)  # (out, c_in/groups·9)
+        per_group *= 9
+    bias = torch.empty(4, dtype=torch.float64)
+    for i in range(4):
+        g = i // out_per_group
+        bias[i] = -2 * LAM * seen[i] @ mu[g * per_group : (g + 1) * per_group]
+    expected["0.bias"] = bias
+    for name, term in expected.items():
+        torch.testing.assert_close(decayed[name], plain[name] - LR * term, rtol=1e-9, atol=1e-12, msg=name)

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
@@ -130,6 +130,16 @@ def conv_layers(draw: st.DrawFn) -> tuple[nn.modules.conv._ConvNd, tuple[int, ..
 
 @settings(max_examples=60, deadline=None)
 @given(conv_layers(), st.integers(1, 2), st.integers(0, 2**31 - 1))
+# the decisive cases, whatever Hypothesis draws (issue 27): groups with stride ≠ dilation and unequal padding per
+# dimension; no bias (uncentred second moment) with two calls pooled; one sample with one output position (N = 1);
+# a 3-D kernel whose offsets see padding only in some dimensions
+@example((nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2).double(), (2, 2, 5, 6)),
+         1, 0)  # fmt: skip
+@example((nn.Conv1d(1, 2, 3, stride=2, padding=2, dilation=2, bias=False).double(), (1, 1, 5)), 2, 1)
+@example((nn.Conv2d(2, 2, 3).double(), (1, 2, 3, 3)), 1, 2)
+@example((nn.Conv2d(2, 2, 3, bias=False).double(), (1, 2, 3, 3)), 1, 4)  # N = 1 without bias: no (h − μ)² rule
+@example((nn.Conv3d(2, 2, (2, 3, 1), stride=(1, 2, 2), padding=(1, 0, 2), dilation=(2, 1, 1)).double(),
+          (3, 2, 4, 5, 3)), 1, 3)  # fmt: skip
 def test_column_mode_is_dense_alg2_on_the_unfolded_input(
     layer_shape: tuple[nn.modules.conv._ConvNd, tuple[int, ...]], calls: int, seed: int
 ) -> None:
@@ -206,6 +216,9 @@ def test_empty_and_unbatched_inputs() -> None:
     conv = nn.Conv2d(2, 3, 3).double()
     empty = column_moments_of_input(conv, torch.zeros(0, 2, 5, 5, dtype=torch.float64), torch.zeros(0, 3, 3, 3))
     assert empty.rows == 0 and empty.mean.shape == (18,)
+    assert empty.mean.dtype == empty.var.dtype == torch.float64  # the dtype of the statistics it would have had
+    half = column_moments_of_input(conv, torch.zeros(0, 2, 5, 5, dtype=torch.float16), torch.zeros(0, 3, 3, 3))
+    assert half.mean.dtype == half.var.dtype == torch.float32
     x = torch.randn(2, 5, 5, dtype=torch.float64)
     single = column_moments_of_input(conv, x, conv(x))
     batched = column_moments_of_input(conv, x[None], conv(x[None]))
@@ -278,6 +291,9 @@ def test_shared_weights_pool_the_rows_of_both_modules() -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 3), st.sampled_from([1, 2, 3]), st.booleans(), st.integers(0, 2**31 - 1))
+@example(2, 3, True, 0)  # grouped, centred: the per-group bias update
+@example(2, 1, True, 1)  # ungrouped, centred
+@example(3, 2, False, 2)  # grouped, no bias
 def test_transform_with_per_column_vectors_equals_the_explicit_matrix(
     d: int, groups: int, with_bias: bool, seed: int
 ) -> None:
@@ -334,3 +350,23 @@ def test_compiled_forward_traces_the_column_hook_without_a_graph_break() -> None
     torch._dynamo.reset()
     for eager, compiled in zip(*grads):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("columns", [True, False])
+def test_statistics_record_no_autograd_graph(columns: bool) -> None:
+    """Issue 27: the hook computes statistics of the layer *input*, which requires grad inside a network; nothing
+    of its graph may reach the running accumulators (they would hold every step's graph alive)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 2, 3, stride=2)).double()
+    pre = BNPPreconditioner(net, conv_statistics="column" if columns else "channel")
+    x = torch.randn(2, 2, 6, 6, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        net(x).square().sum().backward()
+        pre.step()
+    for name, layer in pre.layers.items():
+        for acc in (layer.running.mean_acc, layer.running.var_acc, layer.running.mu, layer.running.var):
+            assert not acc.requires_grad and acc.grad_fn is None, name
+    h = torch.randn(2, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    moments = column_moments_of_input if columns else moments_of_input
+    part = moments(net[2], h, net[2](h))
+    assert not part.mean.requires_grad and not part.var.requires_grad

@@ -34,6 +34,17 @@ def test_feature_layout_maxima_and_per_layer_values() -> None:
     assert [t.tolist() for t in layout.split(flat)] == [[1.0, 5.0, 2.0], [-7.0], [0.5, 0.25]]
 
 
+def test_feature_layout_caches_the_last_eight_per_layer_vectors() -> None:
+    """Issue 27 (survivors of `make mutate`): a repeated q² tuple reuses its vector (built once), and the cache
+    keeps the last 8 tuples."""
+    layout = FeatureLayout([2, 1], [True, True], torch.device("cpu"), torch.float64)
+    first = layout.per_layer_cached([1.0, 2.0])
+    assert layout.per_layer_cached([1.0, 2.0]) is first
+    for q2 in range(3, 13):  # ten more distinct tuples: the oldest are dropped, the newest kept
+        assert layout.per_layer_cached([1.0, float(q2)]).tolist() == [1.0, 1.0, float(q2)]
+    assert len(layout._cache) == 8 and (1.0, 12.0) in layout._cache and (1.0, 2.0) not in layout._cache
+
+
 class Mixed(nn.Module):
     """A conv without bias, a grouped conv with bias and two Linear layers, one of them used only on
     some steps (so that the layers reach different step counts)."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
@@ -79,6 +79,8 @@ def test_kappa_d_leaves_out_dead_units() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 3), st.booleans())
+@example(3, 2, True)
+@example(2, 3, False)
 def test_neuron_p_reproduces_the_bnp_transform(cin: int, kv: int, bias: bool) -> None:
     """(1/q²)·P·Pᵀ·g with the metric's P equals the gradient transform (so κ(PᵀHP) is BNP's)."""
     mu, var_t, q2 = torch.randn(cin).double(), torch.rand(cin).double() + 0.1, 1.7
@@ -268,6 +270,29 @@ def test_scale_invariant_units_are_found_numerically_in_any_architecture() -> No
     # whole-layer tests by bisection (every verdict vetoed): all six; [bn], [gn, ln] within the first half (the
     # local verdicts: invariant); then [elu, plain, head] and its parts (not invariant)
     assert verdicts == [False, True, True, True, True, True, False, False, False, False, False]
+
+
+def test_scale_invariant_units_are_the_largest_split_that_passes() -> None:
+    """Issue 27: several divisors of the channel count are candidates. GroupNorm(4) over 8 channels is invariant
+    per group of 2 channels, and so (coarser) per 4 or 8: the finest split, 4 units, is the one (tried from
+    large to small). GroupNorm(2) over 6 channels: 3 units of 2 channels straddle its groups of 3 and fail, 2 pass.
+    GroupNorm(1) over 4: only the whole layer (2 units fail)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8, eps=1e-12),
+        nn.Conv2d(8, 6, 1), nn.GroupNorm(2, 6, eps=1e-12),
+        nn.Conv2d(6, 4, 1), nn.GroupNorm(1, 4, eps=1e-12),
+        nn.Flatten(), nn.Linear(4 * 16, 3),
+    ).double()  # fmt: skip
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def outputs_of(replaced: dict[str, Tensor]) -> Tensor:
+        return torch.func.functional_call(net, {**params, **replaced}, (x,)).reshape(-1)
+
+    names = ["0", "2", "4", "7"]
+    layers = {n: (f"{n}.weight", params[f"{n}.weight"], f"{n}.bias", params[f"{n}.bias"]) for n in names}
+    assert M.scale_invariant_units(outputs_of, layers) == {"0": 4, "2": 2, "4": 1}
 
 
 def test_weight_norm_and_grad_cosine() -> None:

@@ -309,3 +309,32 @@ def test_include_exclude_select_by_name() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Conv1d(1, 1, 1), nn.Linear(3, 2))
     assert set(BNPPreconditioner(model, include=["0", "2"], exclude=["2"]).layers) == {"0"}
     assert set(BNPPreconditioner(model, layer_types=["Conv1d"]).layers) == {"1"}
+
+
+@pytest.mark.parametrize(("built", "cast"), [(torch.float64, torch.float32), (torch.float32, torch.float64)])
+def test_a_model_cast_after_set_up_casts_its_statistics(built: torch.dtype, cast: torch.dtype) -> None:
+    """Issue 27 (a survivor of `make mutate`): the model is cast after the preconditioner was built, between two
+    steps; the running statistics follow the model's dtype (float64 statistics in a float32 model would make P's
+    arithmetic float64), and the steps equal those of a preconditioner built on the cast model."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(built)
+    pre = BNPPreconditioner(net)
+    x = uneven_inputs(6, 4, seed=0).to(built)
+    net(x).square().sum().backward()
+    pre.step()
+    ref = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(cast)
+    ref.load_state_dict(net.state_dict())
+    ref_pre = BNPPreconditioner(ref)
+    ref_pre.load_state_dict(pre.state_dict())
+    net.to(cast)
+    x = uneven_inputs(6, 4, seed=1).to(cast)
+    for model, p in ((net, pre), (ref, ref_pre)):
+        model.zero_grad()
+        model(x).square().sum().backward()
+        p.step()
+    for (name, layer), ref_layer in zip(pre.layers.items(), ref_pre.layers.values()):
+        assert layer.running.mean_acc.dtype == layer.running.var_acc.dtype == cast, name
+        torch.testing.assert_close(layer.running.mean_acc, ref_layer.running.mean_acc, rtol=0, atol=0)
+        torch.testing.assert_close(layer.running.var_acc, ref_layer.running.var_acc, rtol=0, atol=0)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)

@@ -164,6 +164,83 @@ def test_a_second_backward_through_one_forward_counts_it_once() -> None:
     assert statistics(pre)["0"][2] == 1
 
 
+def test_a_second_backward_counts_once_where_q2_depends_on_the_batch() -> None:
+    """Issue 27: at a batch smaller than the input width q² = n_in/N, so a forward counted twice (2N rows) would
+    halve q² of both layers and double the step (at N > n_in, q² = 1 whatever N is and the counting rule is free)."""
+    net, ref = make_net(), make_net()
+    pre, ref_pre = BNPPreconditioner(net), BNPPreconditioner(ref)
+    x, y = batch(0)
+    x, y = x[:3], y[:3]  # N = 3 < n_in = 5 and 6
+    loss = F.cross_entropy(net(x), y)
+    loss.backward(retain_graph=True)
+    (0.0 * loss).backward()  # the same graph once more: adds nothing to the gradient
+    pre.step()
+    F.cross_entropy(ref(x), y).backward()
+    ref_pre.step()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
+    for layer, fan_in in zip(pre.layers.values(), (FEATURES, HIDDEN)):
+        assert layer.transform is not None and layer.transform.q2 == fan_in / 3
+
+
+def test_a_forward_from_before_detach_never_counts_after_a_new_attach() -> None:
+    """Issue 27: detach() drops an unfinished step; a forward that ran before it (here with inputs 1000× larger)
+    whose backward runs only after attach() must not join the next step."""
+    net, ref = make_net(), make_net()
+    pre, ref_pre = BNPPreconditioner(net), BNPPreconditioner(ref)
+    old, _ = batch(1)
+    stale = net(old * 1000.0)  # hooked: its statistics wait for the backward to reach this output
+    pre.detach()
+    pre.attach()
+    x, y = batch(0)
+    (F.cross_entropy(net(x), y) + 0.0 * stale.sum()).backward()  # reaches the stale output too
+    pre.step()
+    F.cross_entropy(ref(x), y).backward()
+    ref_pre.step()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
+    assert_same_state(net, pre, ref, ref_pre)
+
+
+def test_a_finite_sample_whose_variance_overflows_never_enters_the_running_statistics() -> None:
+    """Issue 27: one float32 sample of 1e20 keeps μ_H finite (1e20/N) while σ²_H overflows to inf; the guard must
+    look at σ²_H too. The step keeps the committed statistics (P from them), later steps equal a run without that
+    batch, and a BNPWarning names the layer by the end of the next step."""
+    net, ref = make_net().float(), make_net().float()
+    pre, ref_pre = BNPPreconditioner(net), BNPPreconditioner(ref)
+    messages = []
+    for step in range(4):
+        x, y = batch(step)
+        x = x.float()
+        if step != 1:  # the reference skips the bad batch altogether
+            F.cross_entropy(ref(x), y).backward()
+            ref_pre.step()
+            sgd_step(ref)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if step == 1:
+                x[3, 1] = 1e20
+                moments = pre.layers["0"].running.mean_acc.clone(), pre.layers["0"].running.var_acc.clone()
+            F.cross_entropy(net(x), y).backward()
+            pre.step()
+        messages += [str(w.message) for w in caught if issubclass(w.category, BNPWarning)]
+        if step == 1:
+            for p in net.parameters():  # the optimizer step is skipped (as GradScaler would on an inf gradient)
+                p.grad = None
+            running = pre.layers["0"].running
+            torch.testing.assert_close(running.mean_acc, moments[0], rtol=0, atol=0)
+            torch.testing.assert_close(running.var_acc, moments[1], rtol=0, atol=0)
+        else:
+            sgd_step(net)
+    assert any("'0'" in m for m in messages), messages  # loosely: raised at the bad step or the next one
+    for name, (mean, var, _) in statistics(pre).items():
+        ref_mean, ref_var, _ = statistics(ref_pre)[name]
+        torch.testing.assert_close(mean, ref_mean, rtol=0, atol=0)
+        torch.testing.assert_close(var, ref_var, rtol=0, atol=0)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------- item 3: activation checkpointing
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing_counts_each_forward_once(use_reentrant: bool) -> None:

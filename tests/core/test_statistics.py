@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_bnp.core.statistics import Moments, RunningStatistics, moments_of_input
+from lightning_bnp.core.statistics import Moments, RunningStatistics, column_moments_of_input, moments_of_input
 
 
 def test_linear_pools_all_leading_dimensions() -> None:
@@ -71,9 +71,34 @@ def test_chan_merge_equals_pooled_and_is_stable_when_mean_dominates() -> None:
     ref = h.double()
     assert merged.rows == 1000
     torch.testing.assert_close(merged.mean.double(), ref.mean(0), rtol=1e-7, atol=0)
-    torch.testing.assert_close(merged.var.double(), ref.var(0, unbiased=False), rtol=1e-3, atol=0)
+    # each part's float32 σ² is centred on ATen's row-by-row float32 mean, a few ULPs of 1e4 off: (δμ/σ)² ≈ 1.6e-3
+    # relative with one thread (the merge itself is pinned in float64 below)
+    torch.testing.assert_close(merged.var.double(), ref.var(0, unbiased=False), rtol=5e-3, atol=0)
     naive = (h.square().sum(0) - h.sum(0).square() / 1000) / 1000
     assert (naive.double() - ref.var(0, unbiased=False)).abs().max() > 1.0  # what Chan avoids
+
+
+def test_chan_merge_is_the_pooled_mean_and_variance_to_rounding() -> None:
+    """Issue 27: the merge in float64, where the parts' own moments are exact to rounding, so that any change of
+    the pairwise update (its δ² term is ~1e-3 of σ² here) shows: pooled μ, σ², rows, samples and positions."""
+    g = torch.Generator().manual_seed(0)
+    spread = torch.tensor([0.1, 1.0, 10.0], dtype=torch.float64)
+    h = 1e4 + torch.randn(1000, 3, generator=g, dtype=torch.float64) * spread
+    h[:300] += 0.05  # parts with different means: δ² n_a n_b / n² is a visible share of σ²
+    layer = nn.Linear(3, 1)
+    merged = Moments.empty(3, torch.device("cpu"), torch.float64)
+    for lo, hi in ((0, 1), (1, 300), (300, 300), (300, 301), (301, 1000)):  # an empty part too
+        merged = merged.merge(moments_of_input(layer, h[lo:hi], torch.empty(hi - lo, 1)))
+    assert (merged.rows, merged.samples, merged.out_positions) == (1000, 1000, 1000)
+    torch.testing.assert_close(merged.mean, h.mean(0), rtol=1e-12, atol=0)
+    torch.testing.assert_close(merged.var, h.var(0, correction=0), rtol=1e-9, atol=0)
+    # the conv bookkeeping: samples and output positions add up independently of rows
+    a = Moments(6, 2, 8, torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64))
+    b = Moments(3, 1, 4, torch.ones(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64))
+    ab = a.merge(b)
+    assert (ab.rows, ab.samples, ab.out_positions) == (9, 3, 12)
+    torch.testing.assert_close(ab.mean, torch.tensor([1 / 3], dtype=torch.float64))
+    torch.testing.assert_close(ab.var, torch.tensor([1 + 6 * 3 / 81], dtype=torch.float64))  # 1 + δ² n_a n_b / n²
 
 
 def test_pack_round_trip() -> None:
@@ -82,6 +107,59 @@ def test_pack_round_trip() -> None:
     assert (back.rows, back.samples, back.out_positions) == (7, 3, 12)
     torch.testing.assert_close(back.mean, m.mean)
     torch.testing.assert_close(back.m2, m.m2)
+
+
+def test_empty_moments_are_zeros_of_the_given_dtype_and_merge_as_the_identity() -> None:
+    """What a rank that saw no rows sends under DDP (``pack``): all zeros, so that the pooled counts are the
+    other ranks' (issue 27: survivors of `make mutate` in ``Moments.empty``)."""
+    empty = Moments.empty(3, torch.device("cpu"), torch.float64)
+    assert empty.mean.dtype == empty.var.dtype == torch.float64
+    assert torch.equal(empty.pack(), torch.zeros(9, dtype=torch.float64))
+    assert Moments.empty(2, torch.device("cpu")).mean.dtype == torch.float32
+    part = Moments(4, 2, 6, torch.ones(3, dtype=torch.float64), torch.full((3,), 2.0, dtype=torch.float64))
+    for merged in (empty.merge(part), part.merge(empty)):
+        assert (merged.rows, merged.samples, merged.out_positions) == (4, 2, 6)
+        assert torch.equal(merged.mean, part.mean) and torch.equal(merged.var, part.var)
+    back = Moments.unpack(part.pack(), 3, torch.float64)
+    assert (back.rows, back.samples, back.out_positions) == (4, 2, 6)
+    assert torch.equal(back.mean, part.mean) and torch.equal(back.var, part.var)
+
+
+def test_an_empty_batch_gives_empty_moments_of_the_layers_width_and_dtype() -> None:
+    conv, linear = nn.Conv2d(3, 2, 3), nn.Linear(4, 2)
+    for layer, h, features in ((conv, torch.zeros(0, 3, 5, 5), 3), (linear, torch.zeros(0, 4), 4)):
+        for dtype, expected in ((torch.float64, torch.float64), (torch.float16, torch.float32)):
+            m = moments_of_input(layer, h.to(dtype), torch.zeros(0, 2))
+            assert m.rows == 0 and m.mean.shape == m.var.shape == (features,)
+            assert m.mean.dtype == m.var.dtype == expected
+
+
+def test_statistics_stay_on_the_device_of_their_input() -> None:
+    """Every tensor the statistics make lives where the layer input or the accumulators live. Checked on the
+    ``meta`` device, so that a tensor made on the default device shows on a CPU-only machine (issue 27: the
+    `device=` arguments were `make mutate` survivors)."""
+    meta = torch.device("meta")
+    conv, linear = nn.Conv2d(2, 3, 3, padding=1), nn.Linear(4, 2)
+    cases = [
+        (moments_of_input, conv, torch.empty(2, 2, 5, 5, device=meta), torch.empty(2, 3, 5, 5, device=meta)),
+        (moments_of_input, conv, torch.empty(0, 2, 5, 5, device=meta), torch.empty(0, 3, 5, 5, device=meta)),
+        (moments_of_input, linear, torch.empty(0, 4, device=meta), torch.empty(0, 2, device=meta)),
+        (column_moments_of_input, conv, torch.empty(2, 2, 5, 5, device=meta), torch.empty(2, 3, 5, 5, device=meta)),
+        (column_moments_of_input, conv, torch.empty(0, 2, 5, 5, device=meta), torch.empty(0, 3, 5, 5, device=meta)),
+    ]
+    for moments, layer, h, out in cases:
+        m = moments(layer.to(meta), h, out)
+        assert m.mean.device == m.var.device == meta, (moments.__name__, tuple(h.shape))
+        assert m.pack().device == meta
+    made = RunningStatistics(3, rho=0.9, bias_correction=False, device=meta, dtype=torch.float64)
+    for acc in (made.mean_acc, made.var_acc):
+        assert acc.device == meta and acc.dtype == torch.float64
+    running = RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu"))
+    running.to(meta, torch.float32)
+    assert running.mean_acc.device == running.var_acc.device == meta
+    saved = RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu")).state_dict()
+    running.load_state_dict(saved)
+    assert running.mean_acc.device == running.var_acc.device == meta
 
 
 @pytest.mark.parametrize("bias_correction", [False, True])

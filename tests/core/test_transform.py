@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
+from lightning_bnp.core.transform import precondition_, precondition_many_, q_squared, var_tilde
 
 
 def explicit_matrix(mu: torch.Tensor | None, var_t: torch.Tensor, kernel_volume: int, q2: float) -> torch.Tensor:
@@ -62,6 +62,10 @@ def layer_shapes(draw: st.DrawFn) -> tuple[tuple[int, ...], int]:
 
 @settings(max_examples=60, deadline=None)
 @given(layer_shapes(), st.booleans(), st.floats(0.5, 20.0), st.integers(0, 2**31 - 1))
+@example(((6, 2, 2, 3), 3), True, 2.5, 0)  # grouped Conv2d, centred: the batched per-group bias update
+@example(((6, 2, 2, 1, 2), 2), False, 3.0, 1)  # grouped Conv3d without bias
+@example(((3, 4, 3), 1), True, 1.5, 2)  # Conv1d, kernel positions summed for the bias
+@example(((4, 3), 1), True, 0.7, 3)  # Linear
 def test_transform_equals_explicit_matrix(
     shape_groups: tuple[tuple[int, ...], int], with_bias: bool, q2: float, seed: int
 ) -> None:
@@ -102,3 +106,32 @@ def test_var_tilde_is_step_3() -> None:
 )
 def test_q_squared(fan_in: int, samples: int, positions: float, expected: float) -> None:
     assert q_squared(fan_in, samples, positions) == pytest.approx(expected)
+
+
+def test_a_layer_is_centred_only_when_both_its_bias_gradient_and_mu_are_given() -> None:
+    """Issue 27 (a `make mutate` survivor): a bias gradient without μ is left alone, the weight gets P = diag(1/σ̃)."""
+    g = torch.Generator().manual_seed(0)
+    grad_w, grad_b = (
+        torch.randn(3, 4, generator=g, dtype=torch.float64),
+        torch.randn(3, generator=g, dtype=torch.float64),
+    )
+    var_t = torch.rand(4, generator=g, dtype=torch.float64) + 0.5
+    expected_w, bias = grad_w / (2.0 * var_t), grad_b.clone()
+    precondition_many_([grad_w], [grad_b], [None], [var_t], [2.0], [1])
+    torch.testing.assert_close(grad_w, expected_w, rtol=1e-12, atol=0)
+    assert torch.equal(grad_b, bias)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_half_gradients_with_float32_statistics_stay_half(groups: int) -> None:
+    """Issue 27 (`make mutate` survivors): statistics are float32 for a half model; μ and q²σ̃² are applied in the
+    gradient's dtype (mixing them fails in ``addmv``/``baddbmm``), and the result is the formula to half precision."""
+    g = torch.Generator().manual_seed(0)
+    grad_w = torch.randn(4, 4 // groups, 3, generator=g).half()
+    grad_b = torch.randn(4, generator=g).half()
+    mu, var_t = torch.randn(4, generator=g), torch.rand(4, generator=g) + 0.5
+    expected_w, expected_b = reference(grad_w.double(), grad_b.double(), mu.double(), var_t.double(), 1.5, groups)
+    precondition_(grad_w, grad_b, mu, var_t, 1.5, groups)
+    assert grad_w.dtype == grad_b.dtype == torch.float16
+    torch.testing.assert_close(grad_w.double(), expected_w, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grad_b.double(), expected_b, rtol=1e-2, atol=1e-2)
