@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
+from lightning_bnp.core.attention import capturing, stop_capturing
 from lightning_bnp.core.coverage import Coverage, coverage
 from lightning_bnp.core.kinds import layer_kinds, select_layer_kinds
 from lightning_bnp.core.layers import BNPWarning, StepTransform, _Layer, make_layers
@@ -138,7 +139,8 @@ class PendingUpdate:
 
 _NEVER_RAN = (
     "has a gradient but its forward never ran in training mode, or the backward never reached its output, "
-    "since the last step (e.g. its weight is used through F.linear, as in nn.MultiheadAttention.out_proj, or "
+    "since the last step (e.g. its parent uses its weight through F.linear: teach BNP with "
+    "lightning_bnp.core.attention.register_functional_linear; or "
     "torch.compile reused a graph compiled without BNP's hooks: README 'Cost'); its gradient is left "
     "untransformed. Exclude it with `exclude` to silence this warning."
 )
@@ -289,6 +291,9 @@ class BNPPreconditioner(ArgumentsRepr):
         for layer in self.layers.values():
             for module in layer.modules.values():
                 _OWNERS[module] = weakref.ref(self)
+                if layer.kind.captures or not layer.kind.default_calls:  # attention (core/attention.py)
+                    self._handles.extend(self._register_calls_hooks(layer, module))
+                    continue
                 self._handles.append(module.register_forward_hook(self._make_hook(layer), with_kwargs=True))
 
     def detach(self) -> None:
@@ -357,6 +362,48 @@ class BNPPreconditioner(ArgumentsRepr):
             node.register_prehook(self._count_when_reached(layer, part))
 
         return hook
+
+    def _register_calls_hooks(self, layer: _Layer, module: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
+        input is captured from an ``F.linear`` call made during the forward (:attr:`LayerKind.captures`)."""
+        kind, handles = layer.kind, []
+        started: list[Tensor] = []
+
+        def recording() -> bool:
+            return self._collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad
+
+        if kind.captures:
+
+            def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+                if recording():
+                    weight = kind.watched(module)  # type: ignore[attr-defined]
+                    capturing(weight)
+                    started.append(weight)
+
+            handles.append(module.register_forward_pre_hook(pre_hook))
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if kind.captures:
+                if not started:
+                    return
+                calls = stop_capturing(started.pop())
+                if output is None:  # the forward raised (an always_call hook)
+                    return
+            elif recording():
+                calls = kind.calls(module, args, kwargs, output)
+            else:
+                return
+            for h, out in calls:
+                if not isinstance(h, Tensor) or not isinstance(out, Tensor):
+                    continue
+                if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
+                    part = kind.moments(module, h, out)
+                    layer.moments = part if layer.moments is None else layer.moments.merge(part)
+                elif out.grad_fn is not None:
+                    out.grad_fn.register_prehook(self._count_when_reached(layer, kind.moments(module, h, out)))
+
+        handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=kind.captures))
+        return handles
 
     def _count_when_reached(self, layer: _Layer, part: Moments) -> Any:
         """A pre-hook for the output's autograd node: the forward's statistics join the step when the
