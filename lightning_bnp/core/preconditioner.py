@@ -633,13 +633,15 @@ class BNPPreconditioner(ArgumentsRepr):
         self._warned.add((layer.name, cause))
         warnings.warn(f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}", BNPWarning, stacklevel=3)
 
-    def step_transforms(self, params: Iterable[Tensor]) -> dict[int, tuple[_Layer, StepTransform]]:
-        """``{id(weight): (layer, transform)}`` for the layers among ``params`` that the latest
-        :meth:`precondition` transformed; parameters not listed have M = I."""
+    def step_transforms(self, params: Iterable[Tensor]) -> dict[str, tuple[_Layer, StepTransform]]:
+        """``{layer name: (layer, transform)}`` for the layers among ``params`` that the latest
+        :meth:`precondition` transformed; parameters not listed have M = I. Several layers may feed row blocks
+        of one weight (``nn.MultiheadAttention``'s q, k, v): each transform maps its own rows
+        (:attr:`StepTransform.rows`, :attr:`StepTransform.bias_rows`)."""
         ids = {id(p) for p in params}
         return {
-            id(layer.weight): (layer, layer.transform)
-            for layer in self.layers.values()
+            name: (layer, layer.transform)
+            for name, layer in self.layers.items()
             if layer.transform is not None and id(layer.weight) in ids
         }
 
