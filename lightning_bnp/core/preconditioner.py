@@ -154,6 +154,17 @@ _NON_FINITE = (
 )
 
 
+def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, out: Tensor) -> Moments:
+    """Moments of ``h``, reduced once for the q, k and v layers of a self-attention (one tensor, one reduction
+    of the same kind class): ``shared[0]`` keeps the latest with a weak reference to its input and version."""
+    last, reduce = shared[0], type(kind).moments
+    if last is not None and last[0]() is h and last[1] == h._version and last[2] is reduce and last[3] is module:
+        return last[4]  # type: ignore[no-any-return]
+    part = kind.moments(module, h, out)
+    shared[0] = (weakref.ref(h), h._version, reduce, module, part)
+    return part
+
+
 def _parameters(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -288,11 +299,12 @@ class BNPPreconditioner(ArgumentsRepr):
                 "BatchNormPreconditioning callback); two would transform the gradients twice. Call "
                 "`.detach()` on the other one first."
             )
+        shared: list[Any] = [None]  # attention's q, k, v layers share one reduction of one tensor
         for layer in self.layers.values():
             for module in layer.modules.values():
                 _OWNERS[module] = weakref.ref(self)
                 if layer.kind.captures or not layer.kind.default_calls:  # attention (core/attention.py)
-                    self._handles.extend(self._register_calls_hooks(layer, module))
+                    self._handles.extend(self._register_calls_hooks(layer, module, shared))
                     continue
                 self._handles.append(module.register_forward_hook(self._make_hook(layer), with_kwargs=True))
 
@@ -363,7 +375,9 @@ class BNPPreconditioner(ArgumentsRepr):
 
         return hook
 
-    def _register_calls_hooks(self, layer: _Layer, module: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    def _register_calls_hooks(
+        self, layer: _Layer, module: nn.Module, shared: list[Any]
+    ) -> list[torch.utils.hooks.RemovableHandle]:
         """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
         input is captured from an ``F.linear`` call made during the forward (:attr:`LayerKind.captures`)."""
         kind, handles = layer.kind, []
@@ -400,7 +414,7 @@ class BNPPreconditioner(ArgumentsRepr):
                     part = kind.moments(module, h, out)
                     layer.moments = part if layer.moments is None else layer.moments.merge(part)
                 elif out.grad_fn is not None:
-                    out.grad_fn.register_prehook(self._count_when_reached(layer, kind.moments(module, h, out)))
+                    out.grad_fn.register_prehook(self._count_when_reached(layer, _shared_moments(shared, kind, module, h, out)))
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=kind.captures))
         return handles
