@@ -81,7 +81,8 @@ def added_ops(make_model: Callable[[], nn.Module], inputs: torch.Tensor, targets
 
 
 def standard_models() -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor, torch.Tensor]]:
-    """The issue's two models and a small Transformer encoder (issue 24) on small inputs (the count does not depend on the batch or image size)."""
+    """The issue's two models and a small Transformer encoder (issue 24) on small inputs (the count does not
+    depend on the batch or image size)."""
     g = torch.Generator().manual_seed(0)
     return {
         "FC 784-100×3": (

@@ -35,7 +35,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -69,7 +69,7 @@ class MHAProjectionKind(LayerKind):
         self.input_name = _INPUTS[block]  # type: ignore[misc]
 
     def weight(self, module: nn.Module) -> Tensor:
-        if module._qkv_same_embed_dim:  # type: ignore[union-attr]
+        if module._qkv_same_embed_dim:
             return module._parameters["in_proj_weight"]  # type: ignore[return-value]
         return module._parameters[f"{_BLOCKS[self.block]}_proj_weight"]  # type: ignore[return-value]
 
@@ -78,7 +78,7 @@ class MHAProjectionKind(LayerKind):
         return slice(self.block * embed, (self.block + 1) * embed)
 
     def rows(self, module: nn.Module, weight: Tensor) -> Tensor:
-        return weight[self._span(module)] if module._qkv_same_embed_dim else weight  # type: ignore[union-attr]
+        return weight[self._span(module)] if module._qkv_same_embed_dim else weight
 
     def bias_rows(self, module: nn.Module, bias: Tensor) -> Tensor:
         return bias[self._span(module)]
@@ -168,7 +168,7 @@ def capturing(weight: Tensor) -> list[tuple[Tensor, Tensor]]:
     with _LOCK:
         calls = _WATCHED.setdefault(id(weight), [])
         _ACTIVE += 1
-        F.linear = _recording_linear  # type: ignore[assignment]  # the module global F.* functions look up
+        F.linear = _recording_linear  # the module global F.* functions look up
     return calls
 
 
@@ -179,15 +179,20 @@ def stop_capturing(weight: Tensor) -> list[tuple[Tensor, Tensor]]:
         calls = _WATCHED.pop(id(weight), [])
         _ACTIVE = max(_ACTIVE - 1, 0)
         if _ACTIVE == 0:
-            F.linear = _ORIGINAL_LINEAR  # type: ignore[assignment]
+            F.linear = _ORIGINAL_LINEAR
     return calls
 
 
-def register_functional_linear(parent_type: type[nn.Module] | str, children: Sequence[str]) -> list[FunctionalLinearKind]:
+def register_functional_linear(
+    parent_type: type[nn.Module] | str, children: Sequence[str]
+) -> list[FunctionalLinearKind]:
     """Teach BNP that modules of ``parent_type`` call ``F.linear`` with the weights of their ``nn.Linear``
     attributes ``children`` (instead of calling them): those Linears are then preconditioned from the inputs
     of those calls. Returns the registered kinds (named ``<parent class>.<child>``)."""
-    return [register_layer_kind(FunctionalLinearKind(parent_type, child)) for child in children]
+    kinds = [FunctionalLinearKind(parent_type, child) for child in children]
+    for kind in kinds:
+        register_layer_kind(kind)
+    return kinds
 
 
 for _block in range(3):

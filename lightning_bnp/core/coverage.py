@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["Coverage", "coverage"]
 
 
-
 @dataclass(frozen=True)
 class Coverage:
     """Which weight matrices (parameters with ≥ 2 dimensions) BNP transforms, and why it skips the others.

@@ -159,7 +159,7 @@ def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, 
     of the same kind class): ``shared[0]`` keeps the latest with a weak reference to its input and version."""
     last, reduce = shared[0], type(kind).moments
     if last is not None and last[0]() is h and last[1] == h._version and last[2] is reduce and last[3] is module:
-        return last[4]  # type: ignore[no-any-return]
+        return last[4]
     part = kind.moments(module, h, out)
     shared[0] = (weakref.ref(h), h._version, reduce, module, part)
     return part
@@ -414,7 +414,9 @@ class BNPPreconditioner(ArgumentsRepr):
                     part = kind.moments(module, h, out)
                     layer.moments = part if layer.moments is None else layer.moments.merge(part)
                 elif out.grad_fn is not None:
-                    out.grad_fn.register_prehook(self._count_when_reached(layer, _shared_moments(shared, kind, module, h, out)))
+                    out.grad_fn.register_prehook(
+                        self._count_when_reached(layer, _shared_moments(shared, kind, module, h, out))
+                    )
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=kind.captures))
         return handles

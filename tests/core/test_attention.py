@@ -26,7 +26,11 @@ class Twin(nn.Module):
     def __init__(self, mha: nn.MultiheadAttention) -> None:
         super().__init__()
         kdim, vdim, bias = mha.kdim, mha.vdim, mha.in_proj_bias is not None
-        self.q, self.k, self.v = nn.Linear(E, E, bias=bias), nn.Linear(kdim, E, bias=bias), nn.Linear(vdim, E, bias=bias)
+        self.q, self.k, self.v = (
+            nn.Linear(E, E, bias=bias),
+            nn.Linear(kdim, E, bias=bias),
+            nn.Linear(vdim, E, bias=bias),
+        )
         self.o = nn.Linear(E, E, bias=mha.out_proj.bias is not None)
         self.batch_first = mha.batch_first
         with torch.no_grad():
@@ -43,7 +47,9 @@ class Twin(nn.Module):
             if mha.out_proj.bias is not None:
                 self.o.bias.copy_(mha.out_proj.bias)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, kpm: Tensor | None) -> Tensor:
+    def forward(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, kpm: Tensor | None
+    ) -> Tensor:
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         b, length, _ = query.shape
@@ -68,10 +74,11 @@ class Wrapped(nn.Module):
         super().__init__()
         self.attn, self.need_weights = mha, need_weights
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, kpm: Tensor | None) -> Tensor:
-        return self.attn(
-            query, key, value, attn_mask=attn_mask, key_padding_mask=kpm, need_weights=self.need_weights
-        )[0]
+    def forward(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, kpm: Tensor | None
+    ) -> Tensor:
+        out = self.attn(query, key, value, attn_mask=attn_mask, key_padding_mask=kpm, need_weights=self.need_weights)
+        return out[0]
 
 
 CASES = {
