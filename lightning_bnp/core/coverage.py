@@ -68,6 +68,11 @@ def coverage(
         if p.dim() < 2:
             continue
         layer = managed.get(id(p))
+        missing = _missing_blocks(p, layer, layers, known) if layer is not None else []
+        if missing:  # some row blocks of a packed weight (e.g. q, k, v of in_proj_weight) are not managed
+            reason = f"row blocks {missing} of it dropped by `include`/`exclude`; the others are transformed"
+            (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
+            continue
         if layer is not None:
             if p.requires_grad:
                 transformed.append(name)
@@ -127,3 +132,14 @@ def _weight_of(kind: LayerKind, module: nn.Module) -> object:
         return kind.weight(module)
     except (AttributeError, KeyError):  # e.g. a kind's weight absent in this form of the module
         return None
+
+
+def _missing_blocks(p: object, layer: _Layer, layers: Sequence[_Layer], known: list[LayerKind]) -> list[str]:
+    """Names of the layers that would feed other row blocks of ``p`` (several kinds on one module) and are not
+    managed."""
+    if not layer.kind.suffix:
+        return []
+    feeding = {(id(m), other.kind.name) for other in layers if other.weight is p for m in other.modules.values()}
+    module = layer.module
+    expected = [k for k in kinds_of(module, known) if _weight_of(k, module) is p]
+    return [layer.name[: -len(layer.kind.suffix)] + k.suffix for k in expected if (id(module), k.name) not in feeding]

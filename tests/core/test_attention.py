@@ -194,3 +194,12 @@ def test_torchvision_vit_and_swin_every_projection() -> None:
     assert pre.report().startswith("BNP transforms 53 of the model's 65 trainable weight matrices"), pre.report()
     assert all(name.endswith("relative_position_bias_table") for name in pre.skipped)
     assert sum(name.endswith((".qkv", ".proj")) for name in pre.layers) == 24
+
+
+def test_a_packed_weight_with_an_excluded_block_is_named() -> None:
+    mha = nn.MultiheadAttention(E, HEADS)
+    pre = BNPPreconditioner(mha, exclude="*.k")
+    assert list(pre.layers) == [".q", ".v", ".out_proj"]
+    assert pre.skipped == {
+        "in_proj_weight": "row blocks ['.k'] of it dropped by `include`/`exclude`; the others are transformed"
+    }
