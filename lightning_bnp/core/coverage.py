@@ -4,8 +4,10 @@ A weight matrix is a parameter with two or more dimensions. :func:`coverage` sor
 *transformed* (a managed layer's trainable weight whose gradient BNP preconditions) or *skipped*, with a
 reason a user can act on: a layer type BNP does not know (naming the module class; teach it with
 :func:`~lightning_bnp.core.kinds.register_layer_kind`), a type left out of ``layer_types``, a name that
-``include``/``exclude`` dropped, a frozen weight, a weight used through ``F.linear`` where the layer's forward
-never runs, a parametrization BNP does not follow, an embedding or positional parameter.
+``include``/``exclude`` dropped (also some row blocks of a packed weight), a frozen weight, a parametrization
+BNP does not follow, an embedding or positional parameter. A Linear whose parent calls ``F.linear`` with its
+weight is transformed when its parent is known (:mod:`lightning_bnp.core.attention`); for an unknown parent
+that cannot be seen before a forward runs, and the first step warns naming the layer.
 """
 
 from __future__ import annotations
