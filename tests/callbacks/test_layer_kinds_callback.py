@@ -165,12 +165,15 @@ def as_twin_parameters(model: BoringClassifier) -> dict[str, Tensor]:
     return {name: t.detach().clone() for name, t in out.items()}
 
 
-@pytest.mark.parametrize("regularization", [None, {"weight_decay": 0.05}, {"weight_decay": 0.05, "decay_space": "p"}])
+@pytest.mark.parametrize(
+    ("regularization", "accumulate"),
+    [(None, 1), (None, 2), ({"weight_decay": 0.05}, 1), ({"weight_decay": 0.05, "decay_space": "p"}, 1)],
+)
 def test_callback_on_multihead_attention_equals_the_four_linear_twin(
-    tmp_path: Path, regularization: dict[str, float] | None
+    tmp_path: Path, regularization: dict[str, float] | None, accumulate: int
 ) -> None:
-    """Issue 24 item 1 through Lightning, with z- and p-space weight decay: the q, k, v blocks of one packed
-    weight each map their own rows (and their own slice of the packed bias)."""
+    """Issue 24 item 1 through Lightning, with gradient accumulation and z- and p-space weight decay: the q, k, v
+    blocks of one packed weight each map their own rows (and their own slice of the packed bias)."""
     data = make_data(n=48, shape=(32,))
     runs = []
     for network in attention_pair():
@@ -178,7 +181,7 @@ def test_callback_on_multihead_attention_equals_the_four_linear_twin(
         callbacks: list = [BatchNormPreconditioning()]
         if regularization is not None:
             callbacks.append(ZSpaceRegularization(**regularization))  # type: ignore[arg-type]
-        _fit(tmp_path, model, data, batch_size=16, callbacks=callbacks, max_steps=4)
+        _fit(tmp_path, model, data, batch_size=16, callbacks=callbacks, max_steps=4, accumulate_grad_batches=accumulate)
         assert len(callbacks[0].preconditioner.layers) == 5
         runs.append(model)
     mha_model, twin_model = runs
