@@ -76,17 +76,30 @@ def added_ops(make_model: Callable[[], nn.Module], inputs: torch.Tensor, targets
     model = make_model().train()
     with_bnp = count_step_ops(model, inputs, targets, bnp=True)
     layers = sum(isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)) for m in model.modules())
+    layers += 3 * sum(isinstance(m, nn.MultiheadAttention) for m in model.modules())  # its q, k, v blocks
     return with_bnp.total - vanilla.total, layers
 
 
 def standard_models() -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor, torch.Tensor]]:
-    """The issue's two models on small inputs (the count does not depend on the batch or image size)."""
+    """The issue's two models and a small Transformer encoder (issue 24) on small inputs (the count does not
+    depend on the batch or image size)."""
     g = torch.Generator().manual_seed(0)
     return {
         "FC 784-100×3": (
             lambda: fc_network(28 * 28, hidden=100, norm="none"),
             torch.randn(8, 28 * 28, generator=g),
             torch.randint(10, (8,), generator=g),
+        ),
+        "Transformer encoder 2×(MHA + MLP)": (
+            lambda: nn.Sequential(
+                nn.TransformerEncoder(
+                    nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2, enable_nested_tensor=False
+                ),
+                nn.Flatten(),
+                nn.Linear(5 * 16, 10),
+            ),
+            torch.randn(4, 5, 16, generator=g),
+            torch.randint(10, (4,), generator=g),
         ),
         "ResNet-20 GN": (
             lambda: cifar_resnet(20, in_channels=3, norm="gn"),

@@ -131,7 +131,8 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
         if self.exclude_bias_and_norm:
             for module in pl_module.modules():
                 for name, param in module.named_parameters(recurse=False):
-                    if name == "bias" or isinstance(module, _NORM_TYPES):
+                    # `in_proj_bias` of nn.MultiheadAttention is the q, k, v projections' bias (issue 24)
+                    if name == "bias" or name.endswith("_bias") or isinstance(module, _NORM_TYPES):
                         self._no_decay.add(id(param))
 
     @override
@@ -203,9 +204,9 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
 
         def apply_m_(terms: dict[int, Tensor]) -> None:
             """terms ← M·terms, layer by layer (M = I elsewhere)."""
-            for weight_id, (layer, transform) in transforms.items():
+            for layer, transform in transforms.values():  # each on its rows (q, k, v blocks of one weight)
                 vec_b = terms.get(id(layer.bias)) if layer.bias is not None else None
-                transform.apply_(terms[weight_id], vec_b)
+                transform.apply_(terms[id(layer.weight)], vec_b)
 
         extra: dict[int, Tensor] = {}
         if self.gradient_penalty > 0:
@@ -221,13 +222,17 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
             decay = {id(p): p.detach() * (2 * self.weight_decay) for p in params if id(p) not in self._no_decay}
             if self.decay_space == "z" and self.exclude_bias_and_norm:
                 # ∇_z λ‖z_w‖² mapped to p: the undecayed bias coordinate of z still moves b by −2λ·μᵀw
-                for weight_id, (layer, transform) in transforms.items():
-                    bias = layer.bias
+                bias_terms: dict[int, Tensor] = {}
+                for layer, transform in transforms.values():
+                    bias, weight_id = layer.bias, id(layer.weight)
                     if weight_id in decay and transform.mu is not None and bias is not None and id(bias) not in decay:
-                        # in the layer's (out, …) rows (a weight stored transposed: its kind's view)
-                        decay[id(bias)] = z_weight_decay_(
-                            transform.rows(decay[weight_id]), transform.mu, transform.groups
+                        # in the layer's (out, …) rows (a weight stored transposed, or a row block of a packed
+                        # q/k/v weight: its kind's view), written to the matching rows of the bias
+                        term = bias_terms.setdefault(id(bias), torch.zeros_like(bias))
+                        transform.bias_rows(term).copy_(
+                            z_weight_decay_(transform.rows(decay[weight_id]), transform.mu, transform.groups)
                         )
+                decay.update(bias_terms)
             elif self.decay_space == "p":
                 for layer, _ in transforms.values():  # an excluded bias still receives M's mixing of w
                     if layer.bias is not None and id(layer.bias) not in decay and layer.bias.grad is not None:

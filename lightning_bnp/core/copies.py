@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["CopySafeHook", "inert_hook", "register_forward_hook"]
+__all__ = ["CopySafeHook", "inert_hook", "register_forward_hook", "register_forward_pre_hook"]
 
 
 def inert_hook(*args: Any, **kwargs: Any) -> None:
@@ -57,6 +57,13 @@ class _ForwardHook(CopySafeHook):
         return self.fn(module, args, output)
 
 
+class _ForwardPreHook(CopySafeHook):
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: Any) -> Any:
+        return self.fn(module, args)
+
+
 class _ForwardHookWithKwargs(CopySafeHook):
     __slots__ = ()
 
@@ -76,3 +83,13 @@ def register_forward_hook(
         module._forward_hooks_always_called.pop(key, None)
     hook = _ForwardHookWithKwargs(fn) if with_kwargs else _ForwardHook(fn)
     return module.register_forward_hook(hook, with_kwargs=with_kwargs, **kwargs)
+
+
+def register_forward_pre_hook(module: nn.Module, fn: Callable[..., Any]) -> RemovableHandle:
+    """``module.register_forward_pre_hook(CopySafeHook(fn))``, after removing the inert pre-hooks that a copy
+    of the module carries in place of the original's."""
+    stale = [key for key, hook in module._forward_pre_hooks.items() if hook is inert_hook]
+    for key in stale:
+        del module._forward_pre_hooks[key]
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+    return module.register_forward_pre_hook(_ForwardPreHook(fn))

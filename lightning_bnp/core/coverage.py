@@ -4,8 +4,10 @@ A weight matrix is a parameter with two or more dimensions. :func:`coverage` sor
 *transformed* (a managed layer's trainable weight whose gradient BNP preconditions) or *skipped*, with a
 reason a user can act on: a layer type BNP does not know (naming the module class; teach it with
 :func:`~lightning_bnp.core.kinds.register_layer_kind`), a type left out of ``layer_types``, a name that
-``include``/``exclude`` dropped, a frozen weight, a weight used through ``F.linear`` where the layer's forward
-never runs, a parametrization BNP does not follow, an embedding or positional parameter.
+``include``/``exclude`` dropped (also some row blocks of a packed weight), a frozen weight, a parametrization
+BNP does not follow, an embedding or positional parameter. A Linear whose parent calls ``F.linear`` with its
+weight is transformed when its parent is known (:mod:`lightning_bnp.core.attention`); for an unknown parent
+that cannot be seen before a forward runs, and the first step warns naming the layer.
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ if TYPE_CHECKING:
     from lightning_bnp.core.layers import _Layer
 
 __all__ = ["Coverage", "coverage"]
-
-_MHA_F_LINEAR = "nn.MultiheadAttention calls F.linear on it; not supported yet"
-_MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 
 @dataclass(frozen=True)
@@ -65,9 +64,6 @@ def coverage(
     managed = {id(layer.weight): layer for layer in layers}
     selected_kinds, known = kinds_for(layer_types), list(layer_kinds().values())
     modules = dict(model.named_modules())
-    out_projections = {
-        id(m.out_proj) for m in modules.values() if isinstance(m, nn.MultiheadAttention) and m.out_proj is not None
-    }
     transformed: list[str] = []
     trainable: dict[str, str] = {}
     frozen: dict[str, str] = {}
@@ -75,17 +71,18 @@ def coverage(
         if p.dim() < 2:
             continue
         layer = managed.get(id(p))
-        if layer is not None and not any(id(m) in out_projections for m in layer.modules.values()):
+        missing = _missing_blocks(p, layer, layers, known) if layer is not None else []
+        if missing:  # some row blocks of a packed weight (e.g. q, k, v of in_proj_weight) are not managed
+            reason = f"row blocks {missing} of it dropped by `include`/`exclude`; the others are transformed"
+            (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
+            continue
+        if layer is not None:
             if p.requires_grad:
                 transformed.append(name)
             else:
                 frozen[name] = "frozen (requires_grad=False); transformed once it trains"
             continue
-        reason = (
-            _MHA_F_LINEAR  # BNP hooks out_proj, but its forward never runs
-            if layer is not None
-            else _reason(name, modules, selected_kinds, known, include, exclude)
-        )
+        reason = _reason(name, modules, selected_kinds, known, include, exclude)
         (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
     count = len(transformed) + len(trainable)
     return Coverage(tuple(transformed), {**trainable, **frozen}, count)
@@ -113,25 +110,45 @@ def _reason(
     why = unsupported(owner)
     if why is not None:  # README "Reparametrized layers"
         return f"left alone: {why}"
-    if isinstance(owner, nn.MultiheadAttention) and attr in _MHA_WEIGHTS:
-        return _MHA_F_LINEAR
     if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)):
         return f"embedding ({type(owner).__name__}: not a layer kind BNP manages)"
     kinds = kinds_of(owner, known)
+    parameter = owner._parameters.get(attr)
+    fed = parameter is not None and any(_weight_of(k, owner) is parameter for k in kinds)
+    if not fed and any(word in attr.lower() for word in ("pos", "embed", "token")):
+        return f"embedding / positional parameter {attr!r} of {type(owner).__name__}"
     if not kinds:
-        if "pos" in attr.lower() or "embed" in attr.lower() or "token" in attr.lower():
-            return f"embedding / positional parameter {attr!r} of {type(owner).__name__}"
         return (
             f"unknown layer type {type(owner).__module__}.{type(owner).__qualname__}"
             " (teach BNP with register_layer_kind)"
         )
     if not any(k in selected_kinds for k in kinds):
         return f"layer type {kinds[0].name!r} is not in `layer_types`"
-    if all(attr != k.weight_name for k in kinds):
+    if not fed:
         return f"a parameter of its {type(owner).__name__} layer that no layer kind feeds"
-    if include is not None and not any(fnmatchcase(owner_name, p) for p in include):
+    # a layer's name is its module's, or its parent's plus a suffix (`attn.q`, `attn.out_proj`: core/attention.py)
+    names = (owner_name, owner_name.rpartition(".")[0], *(f"{owner_name}{k.suffix}" for k in kinds))
+    if include is not None and not any(fnmatchcase(n, p) for n in names for p in include):
         return f"not matched by `include` {list(include)}"
-    matched = [p for p in exclude or () if fnmatchcase(owner_name, p)]
+    matched = [p for p in exclude or () if any(fnmatchcase(n, p) for n in names)]
     if matched:
         return f"excluded by `exclude` pattern {matched[0]!r}"
     return "reparametrized (torch.nn.utils.parametrize) in a form BNP does not follow"
+
+
+def _weight_of(kind: LayerKind, module: nn.Module) -> object:
+    try:
+        return kind.weight(module)
+    except (AttributeError, KeyError):  # e.g. a kind's weight absent in this form of the module
+        return None
+
+
+def _missing_blocks(p: object, layer: _Layer, layers: Sequence[_Layer], known: list[LayerKind]) -> list[str]:
+    """Names of the layers that would feed other row blocks of ``p`` (several kinds on one module) and are not
+    managed."""
+    if not layer.kind.suffix:
+        return []
+    feeding = {(id(m), other.kind.name) for other in layers if other.weight is p for m in other.modules.values()}
+    module = layer.module
+    expected = [k for k in kinds_of(module, known) if _weight_of(k, module) is p]
+    return [layer.name[: -len(layer.kind.suffix)] + k.suffix for k in expected if (id(module), k.name) not in feeding]

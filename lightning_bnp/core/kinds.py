@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
@@ -95,11 +96,16 @@ class LayerKind:
     #: forward hook then skip calling them: they run for every layer every step)
     same_rows: ClassVar[bool] = True
     default_input: ClassVar[bool] = True
+    default_calls: ClassVar[bool] = True
+    #: True where the input is not an argument of the module's forward but captured from an ``F.linear`` call
+    #: made during it (:class:`~lightning_bnp.core.attention.FunctionalLinearKind`)
+    captures: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.same_rows = cls.rows is LayerKind.rows and cls.bias_rows is LayerKind.bias_rows
         cls.default_input = cls.input is LayerKind.input
+        cls.default_calls = cls.calls is LayerKind.calls
 
     def module_types(self) -> tuple[type[nn.Module], ...]:
         """The classes this kind applies to now (a kind may resolve them lazily, see
@@ -115,6 +121,19 @@ class LayerKind:
         """The input of one forward call, from the forward hook's arguments: the first positional argument,
         else the keyword :attr:`input_name`. Anything but a tensor is ignored."""
         return args[0] if args else kwargs.get(self.input_name)
+
+    def calls(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> list[tuple[Any, Any]]:
+        """``[(input, output)]`` pairs of one forward call: the input the rows multiply and a tensor the
+        backward reaches when it reaches those rows (the statistics count then). ``[(input(…), output)]`` by
+        default; a kind whose module returns a tuple (``nn.MultiheadAttention``) overrides it."""
+        return [(self.input(module, args, kwargs), output)]
+
+    def claims(self, module: nn.Module) -> tuple[nn.Module, ...]:
+        """Submodules whose weight this kind feeds in their place (their own kinds then leave them alone), e.g.
+        a Linear its parent uses through ``F.linear``. None by default."""
+        return ()
 
     def weight(self, module: nn.Module) -> Tensor:
         """The trainable weight leaf (``parametrizations.<name>.original`` under ``torch.nn.utils.parametrize``)."""
@@ -307,9 +326,30 @@ def select_layer_kinds(
     kinds, known = kinds_for(layer_types), list(_REGISTRY.values())
     # what each module is (its most specific kinds), then whether layer_types wants that
     found = {name: (m, [k for k in kinds_of(m, known) if k in kinds]) for name, m in model.named_modules()}
-    candidates = {name: m for name, (m, ks) in found.items() if ks}
-    kept = filter_by_name(candidates, layer_types, include, exclude)
-    return {name + kind.suffix: (m, kind) for name, m in kept.items() for kind in found[name][1]}
+    # a module another kind feeds in its place (a Linear its parent calls through F.linear) is that kind's
+    claimed = {id(c) for m, ks in found.values() for k in ks for c in k.claims(m)}
+    candidates = {name: m for name, (m, ks) in found.items() if ks and id(m) not in claimed}
+    # patterns match a module's name or a layer's (module name + suffix: `attn.q`, `attn.out_proj`)
+    names = {name: [name + k.suffix for k in found[name][1]] for name in candidates}
+    every = {n for name, layer_names in names.items() for n in (name, *layer_names)}
+    kept = filter_by_name({n: nn.Module() for n in every}, layer_types, include, None)
+    filter_by_name({n: nn.Module() for n in every}, layer_types, None, exclude)  # exclude patterns must match
+    selected = {}
+    for name, m in candidates.items():
+        for kind in found[name][1]:
+            layer_name = name + kind.suffix
+            both = (name, layer_name)
+            if include is not None and not any(n in kept for n in both):
+                continue
+            if any(fnmatchcase(n, p) for n in both for p in exclude or ()):
+                continue
+            selected[layer_name] = (m, kind)
+    if not selected:
+        raise ValueError(
+            f"no {'/'.join(layer_types)} layer is left for BNP after include={include!r}, "
+            f"exclude={exclude!r}; candidates are {sorted(every)}"
+        )
+    return selected
 
 
 def kinds_of(module: nn.Module, kinds: Sequence[LayerKind]) -> list[LayerKind]:
@@ -332,4 +372,6 @@ for _kind in (
     TransformersConv1DKind(),
 ):
     register_layer_kind(_kind)
+import lightning_bnp.core.attention  # noqa: E402, F401  (registers nn.MultiheadAttention's and F.linear kinds)
+
 _BUILT_IN = frozenset(_REGISTRY)

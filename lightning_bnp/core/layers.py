@@ -147,6 +147,7 @@ def make_layers(
         layer.tied[name] = module
     managed = {id(layer.weight): layer.name for layer in layers.values()}
     modules = {id(m) for layer in layers.values() for m in layer.modules.values()}
+    modules |= {id(c) for layer in layers.values() for m in layer.modules.values() for c in layer.kind.claims(m)}
     for name, module in model.named_modules():  # any other module holding a managed weight (e.g. a tied embedding)
         if id(module) in modules or isinstance(module, parametrize.ParametrizationList):
             continue

@@ -63,7 +63,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
-from lightning_bnp.core.copies import register_forward_hook
+from lightning_bnp.core.attention import capturing, stop_capturing
+from lightning_bnp.core.copies import register_forward_hook, register_forward_pre_hook
 from lightning_bnp.core.coverage import Coverage, coverage
 from lightning_bnp.core.kinds import layer_kinds, select_layer_kinds
 from lightning_bnp.core.layers import NO_LEAF, BNPWarning, StepTransform, _Layer, make_layers
@@ -147,7 +148,8 @@ class PendingUpdate:
 
 _NEVER_RAN = (
     "has a gradient but its forward never ran in training mode, or the backward never reached its output, "
-    "since the last step (e.g. its weight is used through F.linear, as in nn.MultiheadAttention.out_proj, or "
+    "since the last step (e.g. its parent uses its weight through F.linear: teach BNP with "
+    "lightning_bnp.core.attention.register_functional_linear; or "
     "torch.compile reused a graph compiled without BNP's hooks: README 'Cost'); its gradient is left "
     "untransformed. Exclude it with `exclude` to silence this warning."
 )
@@ -297,6 +299,17 @@ def _step_math(
     return mu, var_t, after, steps, peak, q2_out
 
 
+def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, out: Tensor) -> Moments:
+    """Moments of ``h``, reduced once for the q, k and v layers of a self-attention (one tensor, one reduction
+    of the same kind class): ``shared[0]`` keeps the latest with a weak reference to its input and version."""
+    last, reduce = shared[0], type(kind).moments
+    if last is not None and last[0]() is h and last[1] == h._version and last[2] is reduce and last[3] is module:
+        return last[4]
+    part = kind.moments(module, h, out)
+    shared[0] = (weakref.ref(h), h._version, reduce, module, part)
+    return part
+
+
 def _parameters(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -433,9 +446,13 @@ class BNPPreconditioner(ArgumentsRepr):
                 "BatchNormPreconditioning callback); two would transform the gradients twice. Call "
                 "`.detach()` on the other one first."
             )
+        shared: list[Any] = [None]  # attention's q, k, v layers share one reduction of one tensor
         for layer in self.layers.values():
             for module in layer.modules.values():
                 _OWNERS[module] = weakref.ref(self)
+                if layer.kind.captures or not layer.kind.default_calls:  # attention (core/attention.py)
+                    self._handles.extend(self._register_calls_hooks(layer, module, shared))
+                    continue
                 self._handles.append(register_forward_hook(module, self._make_hook(layer), with_kwargs=True))
 
     def detach(self) -> None:
@@ -530,6 +547,52 @@ class BNPPreconditioner(ArgumentsRepr):
             node.register_prehook(self._count_when_reached(layer, part))
 
         return hook
+
+    def _register_calls_hooks(
+        self, layer: _Layer, module: nn.Module, shared: list[Any]
+    ) -> list[torch.utils.hooks.RemovableHandle]:
+        """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
+        input is captured from an ``F.linear`` call made during the forward (:attr:`LayerKind.captures`)."""
+        kind, handles = layer.kind, []
+        started: list[Tensor] = []
+
+        def recording() -> bool:
+            return self._collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad
+
+        if kind.captures:
+
+            def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+                if recording():
+                    weight = kind.watched(module)  # type: ignore[attr-defined]
+                    capturing(weight)
+                    started.append(weight)
+
+            handles.append(register_forward_pre_hook(module, pre_hook))
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if kind.captures:
+                if not started:
+                    return
+                calls = stop_capturing(started.pop())
+                if output is None:  # the forward raised (an always_call hook)
+                    return
+            elif recording():
+                calls = kind.calls(module, args, kwargs, output)
+            else:
+                return
+            for h, out in calls:
+                if not isinstance(h, Tensor) or not isinstance(out, Tensor):
+                    continue
+                if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
+                    part = kind.moments(module, h, out)
+                    layer.moments = part if layer.moments is None else layer.moments.merge(part)
+                elif out.grad_fn is not None:
+                    out.grad_fn.register_prehook(
+                        self._count_when_reached(layer, _shared_moments(shared, kind, module, h, out))
+                    )
+
+        handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
+        return handles
 
     def _count_when_reached(self, layer: _Layer, part: Moments) -> Any:
         """A pre-hook for the output's autograd node: the forward's statistics join the step when the
@@ -823,13 +886,15 @@ class BNPPreconditioner(ArgumentsRepr):
         self._warned.add((layer.name, cause))
         warnings.warn(f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}", BNPWarning, stacklevel=3)
 
-    def step_transforms(self, params: Iterable[Tensor]) -> dict[int, tuple[_Layer, StepTransform]]:
-        """``{id(weight): (layer, transform)}`` for the layers among ``params`` that the latest
-        :meth:`precondition` transformed; parameters not listed have M = I."""
+    def step_transforms(self, params: Iterable[Tensor]) -> dict[str, tuple[_Layer, StepTransform]]:
+        """``{layer name: (layer, transform)}`` for the layers among ``params`` that the latest
+        :meth:`precondition` transformed; parameters not listed have M = I. Several layers may feed row blocks
+        of one weight (``nn.MultiheadAttention``'s q, k, v): each transform maps its own rows
+        (:attr:`StepTransform.rows`, :attr:`StepTransform.bias_rows`)."""
         ids = {id(p) for p in params}
         return {
-            id(layer.weight): (layer, layer.transform)
-            for layer in self.layers.values()
+            name: (layer, layer.transform)
+            for name, layer in self.layers.items()
             if layer.transform is not None and id(layer.weight) in ids
         }
 

@@ -126,3 +126,65 @@ def test_the_setup_line_names_the_weight_matrices_bnp_leaves_alone(
         "weight matrices; it leaves alone network.2.matrix (unknown layer type "
         "tests.callbacks.test_layer_kinds_callback.Affine (teach BNP with register_layer_kind))"
     ]
+
+
+# ----------------------------------------------------------------------------- issue 24: attention
+class AttentionNet(nn.Module):
+    """Self-attention over 4 tokens of 8 features, mean-pooled, and a Linear head."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.attention, self.head = attention, nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.view(x.shape[0], 4, 8)
+        return self.head(self.attention(h, h, h, None, None).mean(1))
+
+
+def attention_pair() -> tuple[nn.Module, nn.Module]:
+    from tests.core.test_attention import Twin, Wrapped
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+    mha_net, twin_net = AttentionNet(Wrapped(mha, need_weights=False)), AttentionNet(Twin(mha))
+    twin_net.head.load_state_dict(mha_net.head.state_dict())
+    return mha_net, twin_net
+
+
+def as_twin_parameters(model: BoringClassifier) -> dict[str, Tensor]:
+    """The MultiheadAttention's parameters under the twin's names."""
+    mha = model.network.attention.attn
+    q, k, v = mha.in_proj_weight.detach().split(8)
+    qb, kb, vb = mha.in_proj_bias.detach().split(8)
+    out = {"network.head.weight": model.network.head.weight, "network.head.bias": model.network.head.bias}
+    out |= {"network.attention.q.weight": q, "network.attention.k.weight": k, "network.attention.v.weight": v}
+    out |= {"network.attention.q.bias": qb, "network.attention.k.bias": kb, "network.attention.v.bias": vb}
+    out |= {"network.attention.o.weight": mha.out_proj.weight, "network.attention.o.bias": mha.out_proj.bias}
+    return {name: t.detach().clone() for name, t in out.items()}
+
+
+@pytest.mark.parametrize(
+    ("regularization", "accumulate"),
+    [(None, 1), (None, 2), ({"weight_decay": 0.05}, 1), ({"weight_decay": 0.05, "decay_space": "p"}, 1)],
+)
+def test_callback_on_multihead_attention_equals_the_four_linear_twin(
+    tmp_path: Path, regularization: dict[str, float] | None, accumulate: int
+) -> None:
+    """Issue 24 item 1 through Lightning, with gradient accumulation and z- and p-space weight decay: the q, k, v
+    blocks of one packed weight each map their own rows (and their own slice of the packed bias)."""
+    data = make_data(n=48, shape=(32,))
+    runs = []
+    for network in attention_pair():
+        model = BoringClassifier(network, momentum=0.9)
+        callbacks: list = [BatchNormPreconditioning()]
+        if regularization is not None:
+            callbacks.append(ZSpaceRegularization(**regularization))  # type: ignore[arg-type]
+        _fit(tmp_path, model, data, batch_size=16, callbacks=callbacks, max_steps=4, accumulate_grad_batches=accumulate)
+        assert len(callbacks[0].preconditioner.layers) == 5
+        runs.append(model)
+    mha_model, twin_model = runs
+    twin = parameters(twin_model)
+    for name, value in as_twin_parameters(mha_model).items():
+        torch.testing.assert_close(value, twin[name], rtol=1e-5, atol=1e-6, msg=name)

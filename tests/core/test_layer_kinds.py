@@ -170,15 +170,17 @@ def test_a_custom_linear_like_layer_is_named_until_its_kind_is_registered() -> N
     assert BNPPreconditioner(model).skipped == {}
 
 
-def test_transformer_encoder_names_the_attention_projections_it_cannot_reach() -> None:
+def test_transformer_encoder_attention_projections_are_transformed_or_named_when_excluded() -> None:
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
     model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     pre = BNPPreconditioner(model)
-    reason = "nn.MultiheadAttention calls F.linear on it; not supported yet"
-    assert pre.skipped == {
-        f"layers.{i}.self_attn.{name}": reason for i in range(2) for name in ("in_proj_weight", "out_proj.weight")
-    }
-    assert pre.report().startswith("BNP transforms 4 of the model's 8 trainable weight matrices; it leaves alone ")
+    assert pre.skipped == {}  # issue 24: in_proj's q, k, v blocks and out_proj (through F.linear) are managed
+    assert pre.report() == "BNP transforms 8 of the model's 8 trainable weight matrices"
+    pre.detach()
+    pre = BNPPreconditioner(model, exclude="layers.0.self_attn")
+    reason = "excluded by `exclude` pattern 'layers.0.self_attn'"
+    assert pre.skipped == {f"layers.0.self_attn.{name}": reason for name in ("in_proj_weight", "out_proj.weight")}
+    assert pre.report().startswith("BNP transforms 6 of the model's 8 trainable weight matrices; it leaves alone ")
 
 
 # ----------------------------------------------------------------------------- GPT-2

@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
@@ -26,6 +27,16 @@ from tests.transposed import make_transposed_mlp
 
 # "tmlp": the MLP with its linear layers stored (in, out), a user-registered layer kind (issue 29)
 NETS = {"mlp": (make_mlp, (6,)), "cnn": (make_cnn, (2, 6, 6)), "tmlp": (make_transposed_mlp, (6,))}
+
+
+def _attention(index: int) -> nn.Module:
+    from tests.callbacks.test_layer_kinds_callback import attention_pair
+
+    return attention_pair()[index]
+
+
+# "mha": self-attention with nn.MultiheadAttention, "mha_twin": the same with four nn.Linear (issue 24)
+NETS |= {"mha": (lambda: _attention(0), (32,)), "mha_twin": (lambda: _attention(1), (32,))}
 
 
 class OrderedData(pl.LightningDataModule):

@@ -1,0 +1,204 @@
+"""Attention layers: ``nn.MultiheadAttention`` in every form, and Linears whose parent calls ``F.linear`` with
+their weight (issue 24, items 1–2).
+
+Two layer kinds (:mod:`lightning_bnp.core.kinds`) and one capture mechanism:
+
+* :class:`MHAProjectionKind` ×3 — the q, k and v projections of a ``nn.MultiheadAttention``: the row blocks
+  ``in_proj_weight[0:E]``, ``[E:2E]``, ``[2E:3E]`` (or the separate ``q_proj_weight``/``k_proj_weight``/
+  ``v_proj_weight`` when ``kdim``/``vdim`` differ from ``embed_dim``) and the matching slices of
+  ``in_proj_bias``. Each block's input is the MHA forward's ``query``, ``key`` or ``value`` argument (layout
+  ``batch_first`` either way: a linear layer's statistics are per feature over every leading dimension). In
+  self-attention the three are one tensor: each of the three layers reduces it (three identical sets of
+  moments, one per BNP layer; sharing them would save two reductions per forward but couple the layers'
+  bookkeeping — kept simple and exact). The layers are named ``<mha>.q``, ``<mha>.k``, ``<mha>.v``.
+* :class:`FunctionalLinearKind` — a ``nn.Linear`` child that its parent uses through ``F.linear(x,
+  child.weight, child.bias)`` instead of calling it, so the child's forward hook never runs: the MHA's
+  ``out_proj`` (input: the attention output), torchvision's ``ShiftedWindowAttention.qkv`` and ``.proj``
+  (Swin). The layer is named as the child (``<mha>.out_proj``) and takes the child's place: the plain
+  ``Linear`` kind leaves a child claimed this way alone (:meth:`~LayerKind.claims`).
+
+Capture (:func:`capturing`): during a training forward of the parent, ``torch.nn.functional.linear`` is
+routed through a recorder that keeps ``(input, output)`` of every call whose weight is a watched tensor (by
+identity); the forward hook (``always_call``: also after an exception) restores it. Cost: one Python frame per
+``F.linear`` call made while a watched parent runs — nothing is recomputed, the input is the very tensor the
+projection multiplies (exact). A weight passed in another form (e.g. recomputed by a parametrization of the
+child) is not recognised: its layer then warns after the step that its forward never ran.
+
+Left as they are: ``bias_k``/``bias_v`` (1-D parameters appended to the projected keys and values, not weight
+matrices: not preconditioned), ``add_zero_attn`` (appends zeros after the projections: nothing to precondition),
+``static_k``/``static_v``. The MHA fast path (``torch._native_multi_head_attention``) only runs without
+gradients, when BNP records nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_bnp.core.kinds import LINEAR_FAMILY, LayerKind, register_layer_kind
+from lightning_bnp.core.layers import weight_leaf
+
+__all__ = [
+    "FunctionalLinearKind",
+    "MHAProjectionKind",
+    "capturing",
+    "register_functional_linear",
+]
+
+_BLOCKS = ("q", "k", "v")
+_INPUTS = ("query", "key", "value")
+
+
+class MHAProjectionKind(LayerKind):
+    """One of the q, k, v projections of ``nn.MultiheadAttention`` (``block`` 0, 1, 2)."""
+
+    family = LINEAR_FAMILY
+    module_type = nn.MultiheadAttention
+    bias_name = "in_proj_bias"
+    captures = False
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.name = f"MultiheadAttention.{_BLOCKS[block]}"  # type: ignore[misc]
+        self.suffix = f".{_BLOCKS[block]}"  # type: ignore[misc]
+        self.input_name = _INPUTS[block]  # type: ignore[misc]
+
+    def weight(self, module: nn.Module) -> Tensor:
+        if module._qkv_same_embed_dim:
+            return module._parameters["in_proj_weight"]  # type: ignore[return-value]
+        return module._parameters[f"{_BLOCKS[self.block]}_proj_weight"]  # type: ignore[return-value]
+
+    def _span(self, module: nn.Module) -> slice:
+        embed = int(module.embed_dim)  # type: ignore[arg-type]
+        return slice(self.block * embed, (self.block + 1) * embed)
+
+    def rows(self, module: nn.Module, weight: Tensor) -> Tensor:
+        return weight[self._span(module)] if module._qkv_same_embed_dim else weight
+
+    def bias_rows(self, module: nn.Module, bias: Tensor) -> Tensor:
+        return bias[self._span(module)]
+
+    def features(self, module: nn.Module) -> int:
+        return int((module.embed_dim, module.kdim, module.vdim)[self.block])  # type: ignore[arg-type]
+
+    fan_in = features
+
+    def input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return args[self.block] if len(args) > self.block else kwargs.get(self.input_name)
+
+    def calls(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> list[tuple[Any, Any]]:
+        """``[(input, output)]`` of one forward: the query/key/value and the attention output (whose gradient
+        reaches this projection)."""
+        out = output[0] if isinstance(output, tuple) else output
+        return [(self.input(module, args, kwargs), out)]
+
+
+class FunctionalLinearKind(LayerKind):
+    """A ``nn.Linear`` child (attribute ``child``) of a ``parent_type`` module that calls ``F.linear`` with the
+    child's weight: its input is captured from that call (:func:`capturing`)."""
+
+    family = LINEAR_FAMILY
+    captures = True
+
+    def __init__(self, parent_type: type[nn.Module] | str, child: str, *, name: str | None = None) -> None:
+        # a "package.module.Class" string is resolved when that module is imported (never imported here)
+        self.parent_type = parent_type
+        self.child = child
+        qualname = parent_type if isinstance(parent_type, str) else parent_type.__name__
+        self.name = name or f"{qualname.rpartition('.')[2]}.{child}"  # type: ignore[misc]
+        self.suffix = f".{child}"  # type: ignore[misc]
+
+    def module_types(self) -> tuple[type[nn.Module], ...]:
+        if not isinstance(self.parent_type, str):
+            return (self.parent_type,)
+        module, _, cls = self.parent_type.rpartition(".")
+        found = getattr(sys.modules.get(module), cls, None)
+        return (found,) if isinstance(found, type) else ()
+
+    def _child(self, module: nn.Module) -> nn.Module:
+        return module._modules[self.child]  # type: ignore[return-value]
+
+    def claims(self, module: nn.Module) -> tuple[nn.Module, ...]:
+        child = module._modules.get(self.child)
+        return (child,) if child is not None else ()
+
+    def weight(self, module: nn.Module) -> Tensor:
+        return weight_leaf(self._child(module))
+
+    def bias(self, module: nn.Module) -> Tensor | None:
+        bias = self._child(module)._parameters.get("bias")
+        return bias if isinstance(bias, Tensor) else None
+
+    def features(self, module: nn.Module) -> int:
+        return int(self._child(module).in_features)  # type: ignore[arg-type]
+
+    fan_in = features
+
+    def watched(self, module: nn.Module) -> Tensor:
+        """The tensor the parent passes to ``F.linear``: the child's ``weight`` attribute."""
+        return self._child(module).weight  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------ F.linear capture
+_LOCK = threading.Lock()
+_ORIGINAL_LINEAR = F.linear
+_WATCHED: dict[int, list[tuple[Tensor, Tensor]]] = {}
+_ACTIVE = 0
+
+
+def _recording_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    out = _ORIGINAL_LINEAR(input, weight, bias)
+    calls = _WATCHED.get(id(weight))
+    if calls is not None:
+        calls.append((input, out))
+    return out
+
+
+def capturing(weight: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Start recording the ``(input, output)`` of ``F.linear`` calls with ``weight``; returns the list they are
+    appended to. Stop with :func:`stop_capturing`."""
+    global _ACTIVE
+    with _LOCK:
+        calls = _WATCHED.setdefault(id(weight), [])
+        _ACTIVE += 1
+        F.linear = _recording_linear  # the module global F.* functions look up
+    return calls
+
+
+def stop_capturing(weight: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Stop one :func:`capturing` of ``weight``; the calls recorded since."""
+    global _ACTIVE
+    with _LOCK:
+        calls = _WATCHED.pop(id(weight), [])
+        _ACTIVE = max(_ACTIVE - 1, 0)
+        if _ACTIVE == 0:
+            F.linear = _ORIGINAL_LINEAR
+    return calls
+
+
+def register_functional_linear(
+    parent_type: type[nn.Module] | str, children: Sequence[str]
+) -> list[FunctionalLinearKind]:
+    """Teach BNP that modules of ``parent_type`` call ``F.linear`` with the weights of their ``nn.Linear``
+    attributes ``children`` (instead of calling them): those Linears are then preconditioned from the inputs
+    of those calls. Returns the registered kinds (named ``<parent class>.<child>``)."""
+    kinds = [FunctionalLinearKind(parent_type, child) for child in children]
+    for kind in kinds:
+        register_layer_kind(kind)
+    return kinds
+
+
+for _block in range(3):
+    register_layer_kind(MHAProjectionKind(_block))
+register_layer_kind(FunctionalLinearKind(nn.MultiheadAttention, "out_proj", name="MultiheadAttention.out_proj"))
+# torchvision's Swin (V1 and V2 share the class hierarchy): qkv and proj go through F.linear
+_SWIN = "torchvision.models.swin_transformer.ShiftedWindowAttention"
+register_layer_kind(FunctionalLinearKind(_SWIN, "qkv", name="torchvision.ShiftedWindowAttention.qkv"))
+register_layer_kind(FunctionalLinearKind(_SWIN, "proj", name="torchvision.ShiftedWindowAttention.proj"))

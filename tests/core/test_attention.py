@@ -1,0 +1,205 @@
+"""Issue 24, items 1–2: nn.MultiheadAttention in every form and Linears used through F.linear.
+
+The reference is BNP on the same attention written with four ``nn.Linear`` layers (q, k, v, out) and an
+explicit softmax: after several SGD steps both models hold the same parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_bnp.core import BNPPreconditioner
+from lightning_bnp.core.layers import BNPWarning
+
+E, HEADS = 8, 2
+
+
+class Twin(nn.Module):
+    """Multi-head attention from four Linears (batch-first internally)."""
+
+    def __init__(self, mha: nn.MultiheadAttention) -> None:
+        super().__init__()
+        kdim, vdim, bias = mha.kdim, mha.vdim, mha.in_proj_bias is not None
+        self.q, self.k, self.v = (
+            nn.Linear(E, E, bias=bias),
+            nn.Linear(kdim, E, bias=bias),
+            nn.Linear(vdim, E, bias=bias),
+        )
+        self.o = nn.Linear(E, E, bias=mha.out_proj.bias is not None)
+        self.batch_first = mha.batch_first
+        with torch.no_grad():
+            if mha._qkv_same_embed_dim:
+                for i, lin in enumerate((self.q, self.k, self.v)):
+                    lin.weight.copy_(mha.in_proj_weight[i * E : (i + 1) * E])
+            else:
+                for lin, w in zip((self.q, self.k, self.v), (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)):
+                    lin.weight.copy_(w)
+            if bias:
+                for i, lin in enumerate((self.q, self.k, self.v)):
+                    lin.bias.copy_(mha.in_proj_bias[i * E : (i + 1) * E])
+            self.o.weight.copy_(mha.out_proj.weight)
+            if mha.out_proj.bias is not None:
+                self.o.bias.copy_(mha.out_proj.bias)
+
+    def forward(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, kpm: Tensor | None
+    ) -> Tensor:
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        b, length, _ = query.shape
+        d = E // HEADS
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(b, -1, HEADS, d).transpose(1, 2)
+
+        q, k, v = heads(self.q(query)), heads(self.k(key)), heads(self.v(value))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+        if attn_mask is not None:
+            scores = scores.masked_fill(attn_mask, float("-inf"))
+        if kpm is not None:
+            scores = scores.masked_fill(kpm[:, None, None, :], float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, length, E)
+        out = self.o(out)
+        return out if self.batch_first else out.transpose(0, 1)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, mha: nn.MultiheadAttention, need_weights: bool) -> None:
+        super().__init__()
+        self.attn, self.need_weights = mha, need_weights
+
+    def forward(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, kpm: Tensor | None
+    ) -> Tensor:
+        out = self.attn(query, key, value, attn_mask=attn_mask, key_padding_mask=kpm, need_weights=self.need_weights)
+        return out[0]
+
+
+CASES = {
+    "self": dict(form="self"),
+    "self-seq-first-causal": dict(form="self", batch_first=False, causal=True),
+    "self-no-bias-weights": dict(form="self", bias=False, need_weights=True),
+    "cross": dict(form="cross"),
+    "cross-key-padding": dict(form="cross", padding=True, need_weights=True),
+    "kdim-vdim": dict(form="kv", kdim=5, vdim=3, padding=True),
+    "kdim-vdim-seq-first-causal": dict(form="kv", kdim=5, vdim=3, batch_first=False, causal=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mha_equals_bnp_on_four_linears(case: str) -> None:
+    c = {"batch_first": True, "bias": True, "need_weights": False, "causal": False, "padding": False, **CASES[case]}
+    torch.manual_seed(0)
+    kdim, vdim = c.get("kdim", E), c.get("vdim", E)
+    mha = nn.MultiheadAttention(E, HEADS, bias=c["bias"], batch_first=c["batch_first"], kdim=kdim, vdim=vdim)
+    model = Wrapped(mha, c["need_weights"]).double()
+    twin = Twin(mha).double()
+    pre, pre_twin = BNPPreconditioner(model, rho=0.5), BNPPreconditioner(twin, rho=0.5)
+    assert len(pre.layers) == 4 and not pre.skipped, pre.report()
+    g = torch.Generator().manual_seed(1)
+    batch, length, source = 3, 4, 6 if c["form"] != "self" else 4
+    for _ in range(4):
+
+        def sample(features: int, n: int) -> Tensor:
+            x = torch.randn(batch, n, features, generator=g, dtype=torch.float64) * 2 + 0.5
+            return x if c["batch_first"] else x.transpose(0, 1)
+
+        query = sample(E, length)
+        key = query if c["form"] == "self" else sample(kdim, source)
+        value = key if c["form"] in ("self", "cross") else sample(vdim, source)
+        causal = torch.ones(length, source, dtype=torch.bool).triu(1) if c["causal"] else None
+        kpm = None
+        if c["padding"]:
+            kpm = torch.zeros(batch, source, dtype=torch.bool)
+            kpm[0, -2:] = True
+        target = torch.randn(batch, length, E, generator=g, dtype=torch.float64)
+        target = target if c["batch_first"] else target.transpose(0, 1)
+        for net, p in ((model, pre), (twin, pre_twin)):
+            net.zero_grad()
+            F.mse_loss(net(query, key, value, causal, kpm), target).backward()
+            p.step()
+            with torch.no_grad():
+                for param in net.parameters():
+                    param.sub_(0.1 * param.grad)
+    if mha._qkv_same_embed_dim:
+        weights = mha.in_proj_weight.split(E)
+    else:
+        weights = (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)
+    for w, lin in zip((*weights, mha.out_proj.weight), (twin.q, twin.k, twin.v, twin.o)):
+        torch.testing.assert_close(w, lin.weight, rtol=1e-5, atol=1e-7)
+    if c["bias"]:
+        for b, lin in zip(mha.in_proj_bias.split(E), (twin.q, twin.k, twin.v)):
+            torch.testing.assert_close(b, lin.bias, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(mha.out_proj.bias, twin.o.bias, rtol=1e-5, atol=1e-7)
+    # and BNP did transform them: plain SGD on the twin ends elsewhere
+    assert all(layer.running.steps == 4 for layer in pre.layers.values())
+
+
+def test_mha_state_dict_and_f_linear_untouched() -> None:
+    mha = nn.MultiheadAttention(E, HEADS, batch_first=True)
+    keys = list(mha.state_dict())
+    linear = F.linear
+    BNPPreconditioner(mha)
+    x = torch.randn(2, 3, E)
+    mha(x, x, x)[0].sum().backward()
+    assert list(mha.state_dict()) == keys
+    assert F.linear is linear
+    with pytest.raises(AssertionError):  # the forward raises: F.linear is restored all the same
+        mha(x, torch.randn(2, 3, E + 1), x)
+    assert F.linear is linear
+
+
+def _covered(model: nn.Module, *inputs: Tensor) -> BNPPreconditioner:
+    model.train()
+    pre = BNPPreconditioner(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)
+        for _ in range(2):
+            model.zero_grad()
+            out = model(*inputs)
+            (out[0] if isinstance(out, tuple) else out).square().mean().backward()
+            pre.step()
+    # embeddings and positional parameters aside (issue 24's targets), every weight matrix is transformed
+    assert all("embedding" in reason for reason in pre.skipped.values()), pre.skipped
+    return pre
+
+
+def test_torch_transformers_every_projection() -> None:
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, HEADS, 16, dropout=0.0, batch_first=True), 2)
+    pre = _covered(enc, torch.randn(2, 5, E))
+    assert pre.report() == "BNP transforms 8 of the model's 8 trainable weight matrices"
+    assert len(pre.layers) == 12  # 2 × (q, k, v, out_proj, linear1, linear2)
+    tr = nn.Transformer(E, HEADS, 2, 2, 16, dropout=0.0, batch_first=True)
+    pre = _covered(tr, torch.randn(2, 5, E), torch.randn(2, 4, E))
+    assert pre.report() == "BNP transforms 20 of the model's 20 trainable weight matrices"
+
+
+def test_torchvision_vit_and_swin_every_projection() -> None:
+    tv = pytest.importorskip("torchvision.models")
+    torch.manual_seed(0)
+    vit = tv.VisionTransformer(16, 8, num_layers=2, num_heads=2, hidden_dim=8, mlp_dim=16, num_classes=3)
+    pre = _covered(vit, torch.randn(2, 3, 16, 16))
+    assert pre.report().startswith("BNP transforms 10 of the model's 12 trainable weight matrices; it leaves alone")
+    assert set(pre.skipped) == {"class_token", "encoder.pos_embedding"}
+    swin = tv.swin_t(num_classes=3)
+    pre = _covered(swin, torch.randn(1, 3, 32, 32))
+    # 12 blocks × (qkv, proj, 2 MLP) + 3 patch merging + stem conv + head; the 12 relative-position tables aside
+    assert pre.report().startswith("BNP transforms 53 of the model's 65 trainable weight matrices"), pre.report()
+    assert all(name.endswith("relative_position_bias_table") for name in pre.skipped)
+    assert sum(name.endswith((".qkv", ".proj")) for name in pre.layers) == 24
+
+
+def test_a_packed_weight_with_an_excluded_block_is_named() -> None:
+    mha = nn.MultiheadAttention(E, HEADS)
+    pre = BNPPreconditioner(mha, exclude="*.k")
+    assert list(pre.layers) == [".q", ".v", ".out_proj"]
+    assert pre.skipped == {
+        "in_proj_weight": "row blocks ['.k'] of it dropped by `include`/`exclude`; the others are transformed"
+    }
