@@ -13,7 +13,6 @@ from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.statistics import moments_of_input
 from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
 
-
 ENCODER = "Transformer encoder 2×(MHA + MLP)"
 
 
