@@ -203,3 +203,21 @@ def test_a_packed_weight_with_an_excluded_block_is_named() -> None:
     assert pre.skipped == {
         "in_proj_weight": "row blocks ['.k'] of it dropped by `include`/`exclude`; the others are transformed"
     }
+
+
+def test_a_copy_of_an_attention_model_never_feeds_the_originals_statistics() -> None:
+    """Issue 25 for the attention kinds: their pre-hooks and hooks are copy-safe too, so a deepcopy (an EMA or
+    teacher copy) carries inert hooks, and ``BNPPreconditioner(copy)`` manages the copy on its own."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(8, 2, batch_first=True)
+    pre = BNPPreconditioner(model)
+    twin = copy.deepcopy(model)
+    x = torch.randn(3, 4, 8)
+    twin(x, x, x)[0].sum().backward()
+    assert all(layer.moments is None for layer in pre.layers.values())
+    own = BNPPreconditioner(twin)
+    twin(x, x, x)[0].sum().backward()
+    assert all(layer.moments is not None for layer in own.layers.values())
+    assert all(layer.moments is None for layer in pre.layers.values())
