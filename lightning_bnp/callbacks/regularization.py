@@ -127,15 +127,16 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
         self._bnp = bnps[0] if bnps else None
         if self._bnp is not None:
             self._bnp.regularizer = self  # BNP calls `after_precondition` right after its transform
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # here, not at `setup`: layers built in `configure_model` (called after every callback's `setup`) exist now
         self._no_decay = set()
         if self.exclude_bias_and_norm:
             for module in pl_module.modules():
                 for name, param in module.named_parameters(recurse=False):
                     if name == "bias" or isinstance(module, _NORM_TYPES):
                         self._no_decay.add(id(param))
-
-    @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.gradient_penalty > 0 and not pl_module.automatic_optimization:
             raise RuntimeError(
                 "ZSpaceRegularization(gradient_penalty>0) re-runs `training_step` to form the Hessian-vector "
