@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bnp.callbacks._strategy import holds_full_replica, spawns_workers
+from lightning_bnp.callbacks._strategy import holds_full_replica, shards_rows, spawns_workers, tensor_parallel_size
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import (
     DEFAULT_LAYER_TYPES,
@@ -202,11 +202,18 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
-        if not holds_full_replica(strategy):
+        if not holds_full_replica(strategy) and not shards_rows(strategy):
+            tp = tensor_parallel_size(strategy)
+            cause = (
+                f"tensor parallelism (tensor_parallel_size={tp}) splits a layer's rows or columns over ranks"
+                if tp > 1
+                else "it needs every rank to hold whole rows of the Linear/Conv weights and their gradients"
+            )
             raise RuntimeError(
-                f"BatchNormPreconditioning does not support the {type(strategy).__name__} strategy: it "
-                "needs every rank to hold full Linear/Conv weights and gradients. Supported: a single "
-                "device, and DDP ('ddp', 'ddp_spawn', 'ddp_find_unused_parameters_true')."
+                f"BatchNormPreconditioning does not support the {type(strategy).__name__} strategy: {cause}. "
+                "Supported: a single device, DDP ('ddp', 'ddp_spawn', 'ddp_find_unused_parameters_true'), and "
+                "FSDP2: ModelParallelStrategy(tensor_parallel_size=1) with `fully_shard` applied in "
+                "`configure_model` (FSDPStrategy, FSDP1, is not: its flat parameters mix the layers' rows)."
             )
         if spawns_workers(strategy):
             rank_zero_warn(

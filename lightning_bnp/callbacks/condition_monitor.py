@@ -55,6 +55,7 @@ from lightning_bnp.callbacks._logging import (
     log_metrics,
     log_tensorboard,
 )
+from lightning_bnp.callbacks._strategy import shards_rows
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core import metrics as M
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
@@ -202,6 +203,13 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if shards_rows(trainer.strategy):
+            raise RuntimeError(
+                "ConditionNumberMonitor is not supported under FSDP2 (ModelParallelStrategy): its probes (weight "
+                "κ, neuron Hessians, Lanczos, landscape) need whole weight matrices, which each rank holds only a "
+                "shard of. BatchNormPreconditioning, ZSpaceRegularization's weight decay and TimingMonitor work "
+                "there; monitor the condition numbers in a DDP or single-device run."
+            )
         # set by Lightning's logger connector at Trainer init (not a declared attribute, hence the ignore)
         cadence: int = trainer.log_every_n_steps  # type: ignore[attr-defined]
         self._interval = self.every_n_steps if self.every_n_steps is not None else cadence

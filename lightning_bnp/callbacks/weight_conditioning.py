@@ -198,7 +198,8 @@ class WeightConditioning(ArgumentsRepr, Callback):
         if not holds_full_replica(strategy):
             raise RuntimeError(
                 f"WeightConditioning does not support the {type(strategy).__name__} strategy (untested with "
-                "sharded or XLA parameters). Supported: a single device, and DDP with strategy='ddp'."
+                "sharded or XLA parameters; under ModelParallelStrategy the layers are built in `configure_model`, "
+                "after this callback's setup). Supported: a single device, and DDP with strategy='ddp'."
             )
         if spawns_workers(strategy):
             raise RuntimeError(
