@@ -269,7 +269,7 @@ def test_refuses_sharded_strategies() -> None:
     trainer = SimpleNamespace(strategy=FSDPStrategy())
     with pytest.raises(
         RuntimeError,
-        match=r"does not support the FSDPStrategy strategy.*Supported: a single device, DDP.*FSDP2: ModelParallelStrategy",
+        match=r"does not support the FSDPStrategy strategy.*Supported: a single device, DDP.*ModelParallelStrategy",
     ):
         BatchNormPreconditioning._check_strategy(trainer)  # type: ignore[arg-type]
 

@@ -93,7 +93,8 @@ def main() -> None:
     callbacks: list[pl.Callback] = [bnp, ZSpaceRegularization(weight_decay=0.05), TimingMonitor()]
     callbacks.append(SaveFinalState(args.out, bnp))
     if args.ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0))
+        # every epoch's checkpoint is kept: the first one is a mid-run checkpoint to resume from
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1))
     strategy: Any = (
         "auto"
         if args.single

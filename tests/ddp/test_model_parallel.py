@@ -2,7 +2,7 @@
 the network is built and sharded with ``fully_shard`` in ``configure_model``; BNP (Conv and Linear layers, uneven
 shards, a layer with no row on rank 1), ZSpaceRegularization's z-space decay and TimingMonitor run on the shards.
 With gradient accumulation the result equals one process on the combined batch, the ranks' statistics are bitwise
-equal, and a run resumed from Lightning's distributed checkpoint equals the uninterrupted one."""
+equal, and a run resumed from Lightning's distributed or full checkpoint equals the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -41,13 +41,13 @@ def _assert_ranks_bitwise_equal(states: list[dict[str, Any]]) -> None:
 
 def test_model_parallel_strategy_equals_one_process_and_resumes(tmp_path: Path) -> None:
     (single,) = run_worker("model_parallel_worker", tmp_path / "single", "--single")
-    straight = run_worker("model_parallel_worker", tmp_path / "straight")
-    _assert_ranks_bitwise_equal(straight)
-    _assert_close(straight[0], single, atol=1e-6)
-
-    ckpt = tmp_path / "ckpt"
-    run_worker("model_parallel_worker", tmp_path / "first", "--epochs", "1", "--ckpt-dir", str(ckpt))
-    assert (ckpt / "last.ckpt").is_dir()  # Lightning's distributed checkpoint: a folder of shards
-    resumed = run_worker("model_parallel_worker", tmp_path / "resumed", "--ckpt-in", str(ckpt / "last.ckpt"))
-    _assert_ranks_bitwise_equal(resumed)
-    _assert_close(resumed[0], straight[0], atol=0)
+    for kind, flags in (("distributed", ()), ("full", ("--full-checkpoint",))):
+        ckpt = tmp_path / f"ckpt_{kind}"
+        straight = run_worker("model_parallel_worker", tmp_path / f"straight_{kind}", "--ckpt-dir", str(ckpt), *flags)
+        _assert_ranks_bitwise_equal(straight)
+        _assert_close(straight[0], single, atol=1e-6)
+        mid = ckpt / "epoch=0.ckpt"  # after epoch 0 of 2, with BNP state
+        assert mid.is_dir() if kind == "distributed" else mid.is_file()  # a folder of shards, or one file
+        resumed = run_worker("model_parallel_worker", tmp_path / f"resumed_{kind}", "--ckpt-in", str(mid), *flags)
+        _assert_ranks_bitwise_equal(resumed)
+        _assert_close(resumed[0], straight[0], atol=0)
