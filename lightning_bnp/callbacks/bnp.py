@@ -321,14 +321,15 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self.preconditioner is not None:
+        if self.preconditioner is not None and self._loaded_state is None:
             return self.preconditioner.state_dict()
-        return dict(self._loaded_state or {})
+        return dict(self._loaded_state or {})  # loaded, not applied yet
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Lightning restores callbacks after `setup`; applied lazily if the layers do not exist yet
-        if self.preconditioner is not None:
+        # Lightning restores callbacks after `setup` (and after `on_fit_start` under ModelParallelStrategy); kept
+        # for `_attach` when the layers may not exist yet (built in `configure_model`, or a new model)
+        if self.preconditioner is not None and self._attached_this_fit:
             self.preconditioner.load_state_dict(state_dict)
         else:
             self._loaded_state = state_dict
