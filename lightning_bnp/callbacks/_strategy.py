@@ -5,6 +5,7 @@ from __future__ import annotations
 from lightning.pytorch.strategies import (
     DDPStrategy,
     DeepSpeedStrategy,
+    ModelParallelStrategy,
     SingleDeviceStrategy,
     SingleDeviceXLAStrategy,
     Strategy,
@@ -32,3 +33,17 @@ def spawns_workers(strategy: Strategy) -> bool:
     """'ddp_spawn', 'ddp_fork', 'ddp_notebook': training runs in processes the main one does not share
     callback state with (only the weights come back)."""
     return isinstance(strategy.launcher, _MultiProcessingLauncher)
+
+
+def shards_rows(strategy: Strategy) -> bool:
+    """``ModelParallelStrategy`` without tensor parallelism: FSDP2 (``fully_shard`` in ``configure_model``), each
+    rank holding some rows of every weight and bias (``DTensor``, ``Shard(0)``) on a 1-D data-parallel mesh."""
+    return isinstance(strategy, ModelParallelStrategy) and tensor_parallel_size(strategy) == 1
+
+
+def tensor_parallel_size(strategy: Strategy) -> int:
+    """The tensor-parallel size of a ``ModelParallelStrategy`` (its device mesh exists from ``setup_environment``,
+    before any callback's ``setup``); 1 for any other strategy."""
+    if not isinstance(strategy, ModelParallelStrategy):
+        return 1
+    return int(strategy.device_mesh["tensor_parallel"].size())

@@ -10,6 +10,10 @@ therefore runs in ``on_before_optimizer_step``, on the layers the stepping optim
 (several optimizers and manual optimization work the same way). Clipping then acts on the
 preconditioned gradient, which is the one the optimizer uses.
 
+Where. The callback builds the preconditioner at ``setup``, or, when the LightningModule overrides
+``configure_model`` (which Lightning calls after every callback's ``setup``), at ``on_fit_start``: after
+``configure_model`` and the strategy's setup, before the first forward.
+
 Skipped steps. The running statistics computed in a step are committed from the optimizer's
 step post-hook (``BNPPreconditioner.step(optimizer)``), which PyTorch runs only when
 ``optimizer.step`` really happens: a step the ``GradScaler`` skips for non-finite gradients leaves
@@ -30,10 +34,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import move_data_to_device, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_bnp.callbacks._strategy import holds_full_replica, spawns_workers
+from lightning_bnp.callbacks._strategy import holds_full_replica, shards_rows, spawns_workers, tensor_parallel_size
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import (
     DEFAULT_LAYER_TYPES,
@@ -146,6 +151,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         self._model: torch.nn.Module | None = None
         self._loaded_state: dict[str, Any] | None = None
         self._state_restored = False  # whether this fit's checkpoint held BNP state
+        self._attached_this_fit = False  # `_attach` ran since this fit's `setup`
         self.regularizer: StepRegularizer | None = None  # set by ZSpaceRegularization.setup
 
     # ------------------------------------------------------------------ setup
@@ -155,6 +161,17 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             return
         self._check_strategy(trainer)
         self._state_restored = False
+        self._attached_this_fit = False
+        if not is_overridden("configure_model", pl_module):
+            self._attach(pl_module)
+        # else the layers may not exist yet: Lightning calls `configure_model` after every callback's `setup`
+        # (Trainer._run), so BNP attaches at `on_fit_start`, after it and before the first forward
+
+    def _attach(self, pl_module: pl.LightningModule) -> BNPPreconditioner:
+        """Build the preconditioner on the model's layers (once per model) and attach it, once per fit; the
+        callbacks that need it (monitors) call this from their own ``on_fit_start``, whatever the order."""
+        if self.preconditioner is not None and self._model is pl_module and self._attached_this_fit:
+            return self.preconditioner
         if self.preconditioner is None or self._model is not pl_module:
             _materialize_lazy_layers(pl_module)
             self.preconditioner = BNPPreconditioner(
@@ -176,18 +193,27 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
                 report = "" if not self.preconditioner.skipped else f"; {self.preconditioner.report()}"
                 rank_zero_info(f"BatchNormPreconditioning: BNP manages {len(names)} layers: {names}{report}")
         self.preconditioner.attach()
+        self._attached_this_fit = True
         if self._loaded_state is not None:
             self.preconditioner.load_state_dict(self._loaded_state)
             self._loaded_state = None
+        return self.preconditioner
 
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
-        if not holds_full_replica(strategy):
+        if not holds_full_replica(strategy) and not shards_rows(strategy):
+            tp = tensor_parallel_size(strategy)
+            cause = (
+                f"tensor parallelism (tensor_parallel_size={tp}) splits a layer's rows or columns over ranks"
+                if tp > 1
+                else "it needs every rank to hold whole rows of the Linear/Conv weights and their gradients"
+            )
             raise RuntimeError(
-                f"BatchNormPreconditioning does not support the {type(strategy).__name__} strategy: it "
-                "needs every rank to hold full Linear/Conv weights and gradients. Supported: a single "
-                "device, and DDP ('ddp', 'ddp_spawn', 'ddp_find_unused_parameters_true')."
+                f"BatchNormPreconditioning does not support the {type(strategy).__name__} strategy: {cause}. "
+                "Supported: a single device, DDP ('ddp', 'ddp_spawn', 'ddp_find_unused_parameters_true'), and "
+                "FSDP2: ModelParallelStrategy(tensor_parallel_size=1) with `fully_shard` applied in "
+                "`configure_model` (FSDPStrategy, FSDP1, is not: its flat parameters mix the layers' rows)."
             )
         if spawns_workers(strategy):
             rank_zero_warn(
@@ -199,15 +225,8 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._attach(pl_module)
         assert self.preconditioner is not None
-        if trainer.ckpt_path is not None and not self._state_restored:
-            # Lightning calls `load_state_dict` only for a callback whose state the checkpoint holds
-            rank_zero_warn(
-                f"BatchNormPreconditioning: the checkpoint {str(trainer.ckpt_path)!r} holds no BNP state (written "
-                "without this callback, or with `save_weights_only`), so the running statistics start fresh "
-                "(μ = 0, σ² = 1, step 0) in the middle of training.",
-                category=BNPWarning,
-            )
         owners: dict[int, int] = {}
         for index, optimizer in enumerate(trainer.optimizers):
             if isinstance(optimizer, torch.optim.LBFGS):
@@ -234,6 +253,15 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # here, not at `on_fit_start`: some strategies (ModelParallelStrategy) restore callbacks after it
+        if trainer.ckpt_path is not None and not self._state_restored:
+            # Lightning calls `load_state_dict` only for a callback whose state the checkpoint holds
+            rank_zero_warn(
+                f"BatchNormPreconditioning: the checkpoint {str(trainer.ckpt_path)!r} holds no BNP state (written "
+                "without this callback, or with `save_weights_only`), so the running statistics start fresh "
+                "(μ = 0, σ² = 1, step 0) in the middle of training.",
+                category=BNPWarning,
+            )
         if self.statistics == "batch":
             self._check_last_step_has_rows(trainer)
 
@@ -288,18 +316,20 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             return
         if self.preconditioner is not None:
             self.preconditioner.detach()
+        self._attached_this_fit = False
 
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self.preconditioner is not None:
+        if self.preconditioner is not None and self._loaded_state is None:
             return self.preconditioner.state_dict()
-        return dict(self._loaded_state or {})
+        return dict(self._loaded_state or {})  # loaded, not applied yet
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Lightning restores callbacks after `setup`; applied lazily if the layers do not exist yet
-        if self.preconditioner is not None:
+        # Lightning restores callbacks after `setup` (and after `on_fit_start` under ModelParallelStrategy); kept
+        # for `_attach` when the layers may not exist yet (built in `configure_model`, or a new model)
+        if self.preconditioner is not None and self._attached_this_fit:
             self.preconditioner.load_state_dict(state_dict)
         else:
             self._loaded_state = state_dict

@@ -55,6 +55,7 @@ from lightning_bnp.callbacks._logging import (
     log_metrics,
     log_tensorboard,
 )
+from lightning_bnp.callbacks._strategy import shards_rows
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core import metrics as M
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
@@ -202,15 +203,13 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        candidates = {name: m for name, m in pl_module.named_modules() if probes.is_neuron_layer(m)}
-        for arg, patterns in (("layers", self.layers), ("hessian_layers", self.hessian_layers)):
-            for pattern in patterns or ():
-                if not any(fnmatchcase(name, pattern) for name in candidates):
-                    raise ValueError(
-                        f"`{arg}` pattern {pattern!r} matches no Linear/ConvNd layer; "
-                        f"candidates are {sorted(candidates)}"
-                    )
-        self._layers = {n: m for n, m in candidates.items() if _matches(n, self.layers)}
+        if shards_rows(trainer.strategy):
+            raise RuntimeError(
+                "ConditionNumberMonitor is not supported under FSDP2 (ModelParallelStrategy): its probes (weight "
+                "κ, neuron Hessians, Lanczos, landscape) need whole weight matrices, which each rank holds only a "
+                "shard of. BatchNormPreconditioning, ZSpaceRegularization's weight decay and TimingMonitor work "
+                "there; monitor the condition numbers in a DDP or single-device run."
+            )
         # set by Lightning's logger connector at Trainer init (not a declared attribute, hence the ignore)
         cadence: int = trainer.log_every_n_steps  # type: ignore[attr-defined]
         self._interval = self.every_n_steps if self.every_n_steps is not None else cadence
@@ -227,8 +226,17 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # after every callback's `setup`: BNP's preconditioner exists whatever the callback order
-        pre = self._pre()
+        # after `configure_model`, which may build the layers (Lightning calls it after every callback's `setup`)
+        candidates = {name: m for name, m in pl_module.named_modules() if probes.is_neuron_layer(m)}
+        for arg, patterns in (("layers", self.layers), ("hessian_layers", self.hessian_layers)):
+            for pattern in patterns or ():
+                if not any(fnmatchcase(name, pattern) for name in candidates):
+                    raise ValueError(
+                        f"`{arg}` pattern {pattern!r} matches no Linear/ConvNd layer; "
+                        f"candidates are {sorted(candidates)}"
+                    )
+        self._layers = {n: m for n, m in candidates.items() if _matches(n, self.layers)}
+        pre = self._bnp._attach(pl_module) if self._bnp is not None else None  # attached whatever the callback order
         if pre is None and (self.kappa_d or self.landscape_direction == "preconditioned"):
             rank_zero_info("ConditionNumberMonitor: no BatchNormPreconditioning callback; BNP metrics are skipped.")
         base = [n for n in (pre.layers if pre is not None else self._layers) if n in self._layers]

@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_bnp.callbacks._probes import Captured, silenced_logging
+from lightning_bnp.callbacks._strategy import shards_rows
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import BNPPreconditioner
@@ -123,10 +124,20 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if self.gradient_penalty > 0 and shards_rows(trainer.strategy):
+            raise RuntimeError(
+                "ZSpaceRegularization(gradient_penalty>0) is not supported under FSDP2 (ModelParallelStrategy): its "
+                "Hessian-vector product re-runs `training_step` and differentiates through the sharded parameters, "
+                "which is untested there. The weight decay (`weight_decay`) works; use gradient_penalty=0, or DDP."
+            )
         bnps = [cb for cb in trainer.callbacks if isinstance(cb, BatchNormPreconditioning)]  # type: ignore[attr-defined]
         self._bnp = bnps[0] if bnps else None
         if self._bnp is not None:
             self._bnp.regularizer = self  # BNP calls `after_precondition` right after its transform
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # here, not at `setup`: layers built in `configure_model` (called after every callback's `setup`) exist now
         self._no_decay = set()
         if self.exclude_bias_and_norm:
             for module in pl_module.modules():
@@ -134,9 +145,6 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
                     # `in_proj_bias` of nn.MultiheadAttention is the q, k, v projections' bias (issue 24)
                     if name == "bias" or name.endswith("_bias") or isinstance(module, _NORM_TYPES):
                         self._no_decay.add(id(param))
-
-    @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.gradient_penalty > 0 and not pl_module.automatic_optimization:
             raise RuntimeError(
                 "ZSpaceRegularization(gradient_penalty>0) re-runs `training_step` to form the Hessian-vector "
@@ -219,7 +227,8 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
             apply_m_(extra)
         self._batches.clear()
         if self.weight_decay > 0:
-            decay = {id(p): p.detach() * (2 * self.weight_decay) for p in params if id(p) not in self._no_decay}
+            # on the rows this rank holds (FSDP2 shards them: DTensor); M is row-local
+            decay = {id(p): _local(p.detach()) * (2 * self.weight_decay) for p in params if id(p) not in self._no_decay}
             if self.decay_space == "z" and self.exclude_bias_and_norm:
                 # ∇_z λ‖z_w‖² mapped to p: the undecayed bias coordinate of z still moves b by −2λ·μᵀw
                 bias_terms: dict[int, Tensor] = {}
@@ -236,13 +245,13 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
             elif self.decay_space == "p":
                 for layer, _ in transforms.values():  # an excluded bias still receives M's mixing of w
                     if layer.bias is not None and id(layer.bias) not in decay and layer.bias.grad is not None:
-                        decay[id(layer.bias)] = torch.zeros_like(layer.bias)
+                        decay[id(layer.bias)] = torch.zeros_like(_local(layer.bias))
                 apply_m_(decay)
             for key, term in decay.items():
                 extra[key] = extra[key].add_(term) if key in extra else term
         for p in params:
             if id(p) in extra:
-                p.grad.add_(extra[id(p)])
+                _local(p.grad).add_(extra[id(p)])
 
     def _hessian_vector_product(
         self,
@@ -288,3 +297,9 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
                 fd_step=self.fd_step,
                 reduce_=all_reduce_mean_,
             )
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The part of a tensor this rank holds: its local shard for a DTensor (FSDP2's ``fully_shard``: rows), else it."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()

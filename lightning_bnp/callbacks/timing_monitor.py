@@ -226,9 +226,9 @@ class TimingMonitor(ArgumentsRepr, Callback):
                         keys += ("bnp_transform",)
                     action = f"[Callback]{callback.state_key}.{hook}"  # Lightning's name (trainer/call.py)
                     timed[action] = (keys, isinstance(callback, ConditionNumberMonitor))
-            if isinstance(callback, BatchNormPreconditioning) and callback.preconditioner is not None:
-                self._pre = callback.preconditioner
-                self._managed = [layer.module for layer in callback.preconditioner.layers.values()]
+            if isinstance(callback, BatchNormPreconditioning):
+                pre = self._pre = callback._attach(pl_module)  # after `configure_model`, whatever the callback order
+                self._managed = [layer.module for layer in pre.layers.values()]
         self._parametrizations = [
             p
             for m in pl_module.modules()

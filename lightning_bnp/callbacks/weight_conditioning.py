@@ -9,7 +9,8 @@ When. Lightning calls ``Callback.setup`` before ``LightningModule.setup``, befor
 checkpoint into the model and before the strategy wraps the model (DDP) and builds the optimizers
 (``Trainer._run``). The optimizer therefore holds ``original``, and a checkpoint saved with the
 callback (keys ``….parametrizations.weight.original``) loads back into the same callback setup.
-Layers created later, in ``configure_model``, are not seen.
+Layers created later, in ``configure_model``, are refused at ``on_fit_start`` with that reason (there is no
+callback hook between ``configure_model``, the checkpoint load and the optimizer).
 
 Idempotent. Applying the same setup again (a second ``fit``, ``validate``/``test`` after ``fit``) is
 a no-op; a selected layer already equilibrated with another ``mode``/``eps`` is refused.
@@ -25,12 +26,14 @@ with the paper's W = ``weight.T`` (n_in, n_out): paper rows are PyTorch columns.
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_bnp.callbacks._strategy import holds_full_replica, spawns_workers
@@ -47,6 +50,15 @@ from lightning_bnp.core.conditioning import (
 from lightning_bnp.core.validation import check_bool
 
 __all__ = ["WeightConditioning"]
+
+_CONFIGURE_MODEL = (
+    "Lightning calls `configure_model` after every callback's `setup` and then, with no callback hook in "
+    "between, loads the checkpoint into the model and builds the optimizer; the parametrization must exist "
+    "before both (checkpoint keys `….parametrizations.weight.original`), so WeightConditioning cannot "
+    "condition layers built there. Build them in `__init__`, or call "
+    "`lightning_bnp.core.conditioning.apply_weight_conditioning(self, ...)` at the end of `configure_model` "
+    "instead of using this callback"
+)
 
 
 class WeightConditioning(ArgumentsRepr, Callback):
@@ -103,6 +115,7 @@ class WeightConditioning(ArgumentsRepr, Callback):
         self.verbose = check_bool("verbose", verbose)
         self.conditioned: list[str] = []  # names of the layers this callback conditions
         self._loaded_state: dict[str, Any] | None = None
+        self._modules_at_setup: set[int] = set()
 
     @staticmethod
     def bake(model: torch.nn.Module) -> list[str]:
@@ -143,15 +156,23 @@ class WeightConditioning(ArgumentsRepr, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._check_strategy(trainer)
         before = set(conditioned_layers(pl_module))
-        selected = apply_weight_conditioning(
-            pl_module,
-            mode=self.mode,
-            layers=self.layers,
-            layer_types=self.layer_types,
-            include=self.include,
-            exclude=self.exclude,
-            eps=self.eps,
-        )
+        # layers that `configure_model` builds later (Lightning calls it after every callback's `setup`) are
+        # refused at `on_fit_start`: the modules that exist now are the ones this callback can condition
+        self._modules_at_setup = {id(m) for m in pl_module.modules()}
+        try:
+            selected = apply_weight_conditioning(
+                pl_module,
+                mode=self.mode,
+                layers=self.layers,
+                layer_types=self.layer_types,
+                include=self.include,
+                exclude=self.exclude,
+                eps=self.eps,
+            )
+        except ValueError as err:
+            if not is_overridden("configure_model", pl_module):
+                raise
+            raise ValueError(f"{err}. {_CONFIGURE_MODEL}") from None
         self.conditioned = list(selected)
         if self._loaded_state is not None:
             state, self._loaded_state = self._loaded_state, None
@@ -177,7 +198,8 @@ class WeightConditioning(ArgumentsRepr, Callback):
         if not holds_full_replica(strategy):
             raise RuntimeError(
                 f"WeightConditioning does not support the {type(strategy).__name__} strategy (untested with "
-                "sharded or XLA parameters). Supported: a single device, and DDP with strategy='ddp'."
+                "sharded or XLA parameters; under ModelParallelStrategy the layers are built in `configure_model`, "
+                "after this callback's setup). Supported: a single device, and DDP with strategy='ddp'."
             )
         if spawns_workers(strategy):
             raise RuntimeError(
@@ -188,6 +210,17 @@ class WeightConditioning(ArgumentsRepr, Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        later = [
+            name
+            for name, m in pl_module.named_modules()
+            if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd))
+            and id(m) not in self._modules_at_setup
+            and (self.include is None or any(fnmatchcase(name, p) for p in self.include))
+            and not any(fnmatchcase(name, p) for p in self.exclude or ())
+        ]
+        if later:
+            message = f"WeightConditioning: layers {later} were built in `configure_model`. {_CONFIGURE_MODEL}"
+            raise RuntimeError(message)
         optimized = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
         modules = dict(pl_module.named_modules())
         for name in self.conditioned:

@@ -310,6 +310,36 @@ def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, 
     return part
 
 
+def _local_rows(layer: _Layer, grad: Tensor) -> Tensor:
+    """The rows of a gradient this rank holds: ``grad`` itself, or for a ``DTensor`` (FSDP2's ``fully_shard``) its
+    local shard — rows of the weight (``Shard(0)``: BNP's transform is row-local and uses the full-width statistics
+    pooled over ranks, README "Large models") or all of it (``Replicate``). In-place updates of the shard update the
+    DTensor.
+
+    Raises:
+        ValueError: another sharding (tensor parallelism splits a row over ranks, or shards the rows of a layer
+            whose rows are not its weight's dim 0: a transposed weight, a grouped convolution).
+    """
+    to_local = getattr(grad, "to_local", None)
+    if to_local is None:
+        return grad
+    placements = getattr(grad, "placements", ())
+    sharded = [p for p in placements if not p.is_replicate()]
+    if sharded and (
+        any(not p.is_shard(0) for p in sharded) or not layer.kind.same_rows or layer.groups != 1 or len(sharded) > 1
+    ):
+        raise ValueError(
+            f"BNP layer {layer.name!r} ({type(layer.module).__name__}): its gradient is a DTensor with placements "
+            f"{tuple(placements)}; BNP transforms a layer sharded by rows (FSDP2's fully_shard: Shard(0) of an "
+            "nn.Linear or ungrouped ConvNd weight, on a 1-D data-parallel mesh) or replicated. Tensor parallelism, "
+            "a transposed weight (GPT-2's Conv1D) or a grouped convolution sharded by rows are not supported: "
+            "exclude the layer with `exclude`, or shard it with fully_shard only."
+        )
+    with torch.no_grad():
+        local: Tensor = to_local()
+    return local
+
+
 def _parameters(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -661,6 +691,7 @@ class BNPPreconditioner(ArgumentsRepr):
         active, grads = [], []
         for layer in layers:
             grad = layer.weight.grad
+            grad = grad if grad is None or type(grad) is Tensor else _local_rows(layer, grad)
             if grad is None:
                 self._left_alone(layer)
             elif not self._transformed_already(layer, grad):
@@ -731,6 +762,7 @@ class BNPPreconditioner(ArgumentsRepr):
         for layer, _, _ in ready:
             kind = layer.kind
             grad_b = kind.bias(layer.module).grad if layer.has_bias else None  # type: ignore[union-attr]
+            grad_b = grad_b if grad_b is None or type(grad_b) is Tensor else _local_rows(layer, grad_b)
             grads_b.append(grad_b if grad_b is None or kind.same_rows else kind.bias_rows(layer.module, grad_b))
         q2s: list[Any]
         counts = fan_in = q2_flat = None

@@ -268,7 +268,8 @@ def test_validation_and_test_passes_do_not_touch_statistics(tmp_path: Path) -> N
 def test_refuses_sharded_strategies() -> None:
     trainer = SimpleNamespace(strategy=FSDPStrategy())
     with pytest.raises(
-        RuntimeError, match=r"does not support the FSDPStrategy strategy.*Supported: a single device, and DDP"
+        RuntimeError,
+        match=r"does not support the FSDPStrategy strategy.*Supported: a single device, DDP.*ModelParallelStrategy",
     ):
         BatchNormPreconditioning._check_strategy(trainer)  # type: ignore[arg-type]
 
