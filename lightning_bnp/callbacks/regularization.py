@@ -237,7 +237,7 @@ class ZSpaceRegularization(ArgumentsRepr, Callback):
                     if weight_id in decay and transform.mu is not None and bias is not None and id(bias) not in decay:
                         # in the layer's (out, …) rows (a weight stored transposed, or a row block of a packed
                         # q/k/v weight: its kind's view), written to the matching rows of the bias
-                        term = bias_terms.setdefault(id(bias), torch.zeros_like(bias))
+                        term = bias_terms.setdefault(id(bias), torch.zeros_like(_local(bias)))
                         transform.bias_rows(term).copy_(
                             z_weight_decay_(transform.rows(decay[weight_id]), transform.mu, transform.groups)
                         )
