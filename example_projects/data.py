@@ -273,9 +273,9 @@ class ImageDataModule(pl.LightningDataModule):
             return
         scale, mean, std = 1.0, None, None
         if self.dataset == "digits":
-            raw = load_digits_splits()  # already scaled to [0, 1]
+            raw = dict(load_digits_splits())  # already scaled to [0, 1]; a copy: the loader caches its dict
         elif self.dataset == "mnist5k":
-            raw = load_mnist5k_splits()  # already scaled to [0, 1]
+            raw = dict(load_mnist5k_splits())  # already scaled to [0, 1]; a copy: the loader caches its dict
         else:
             images, labels = self._train_files or _load_torchvision(self.dataset, self.data_dir, train=True)
             self._train_files = None

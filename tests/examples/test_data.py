@@ -43,9 +43,13 @@ def data_log() -> Iterator[_Records]:
     """What ``rank_zero_info`` logs (Lightning's ``lightning.pytorch.utilities.rank_zero`` logger)."""
     handler = _Records()
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    # INFO whatever an earlier test in this process set on "lightning.pytorch" (the demo quiets it to WARNING)
+    level = logger.level
+    logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     yield handler
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @pytest.fixture(autouse=True)
