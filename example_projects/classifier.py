@@ -15,8 +15,6 @@ from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_bnp import BatchNormPreconditioning
-
 
 class Classifier(pl.LightningModule):
     """Cross-entropy classifier.
@@ -59,13 +57,6 @@ class Classifier(pl.LightningModule):
         self.loss_fn = nn.CrossEntropyLoss()
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = torchmetrics.classification.MulticlassAccuracy(num_classes, average="micro")
-
-    @override
-    def on_fit_start(self) -> None:
-        if self.compile_network:  # the BNP step compiled too (issue 28)
-            for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
-                if isinstance(callback, BatchNormPreconditioning):
-                    callback.compile_step = True
 
     @override
     def forward(self, x: Tensor) -> Tensor:
