@@ -10,24 +10,19 @@ Run: ``python -m tests.ddp.fsdp_worker --out DIR`` (every configuration of ``CON
 
 from __future__ import annotations
 
-import argparse
-import os
-import tempfile
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 
 from lightning_bnp.core import BNPPreconditioner
+from tests.ddp.launch import spawn_two_gloo_ranks
 
 STEPS, ROWS = 3, (3, 5)  # rows of rank 0 and rank 1 per micro-batch
 CONFIGS = [("linear", "channel", 1), ("linear", "channel", 2), ("conv", "channel", 1), ("conv", "column", 2)]
@@ -104,30 +99,16 @@ def train(kind: str, conv_statistics: str, accumulate: int, rank: int | None) ->
     return {"collectives": counts, "bnp": pre.state_dict(), "params": params}
 
 
-def worker(rank: int, init: str, out: Path) -> None:
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    try:
-        states: dict[str, object] = {"world_size": dist.get_world_size()}
-        for config in CONFIGS:
-            state = train(*config, rank=rank)
-            if rank == 0:
-                state["reference"] = train(*config, rank=None)
-            states[" ".join(map(str, config))] = state
-        torch.save(states, out / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    init = "file://" + os.path.join(tempfile.mkdtemp(), "rendezvous")
-    mp.spawn(worker, args=(init, args.out), nprocs=2, join=True)
+def run(rank: int) -> dict[str, object]:
+    """One rank: every configuration, with the one-process reference on rank 0."""
+    states: dict[str, object] = {"world_size": dist.get_world_size()}
+    for config in CONFIGS:
+        state = train(*config, rank=rank)
+        if rank == 0:
+            state["reference"] = train(*config, rank=None)
+        states[" ".join(map(str, config))] = state
+    return states
 
 
 if __name__ == "__main__":
-    main()
+    spawn_two_gloo_ranks(run)

@@ -8,21 +8,15 @@ Run: ``python -m tests.ddp.host_reads_worker --out DIR`` (every configuration of
 
 from __future__ import annotations
 
-import argparse
-import os
-import tempfile
-import warnings
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_bnp.core import BNPPreconditioner
 from tests.core.test_host_reads import make
+from tests.ddp.launch import spawn_two_gloo_ranks
 from tests.host_reads import HostReads
 
 STEPS, ROWS = 4, (3, 5)  # rows of rank 0 and rank 1
@@ -67,30 +61,16 @@ def train(kind: str, give_optimizer: bool, rank: int | None) -> dict[str, object
 CONFIGS = [("linear", False), ("linear", True), ("conv-channel", False), ("conv-column", True)]
 
 
-def worker(rank: int, init: str, out: Path) -> None:
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    try:
-        states: dict[str, object] = {"world_size": dist.get_world_size()}
-        for kind, give_optimizer in CONFIGS:
-            state = train(kind, give_optimizer, rank)
-            if rank == 0:
-                state["reference"] = train(kind, give_optimizer, None)
-            states[f"{kind} {give_optimizer}"] = state
-        torch.save(states, out / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    init = "file://" + os.path.join(tempfile.mkdtemp(), "rendezvous")
-    mp.spawn(worker, args=(init, args.out), nprocs=2, join=True)
+def run(rank: int) -> dict[str, object]:
+    """One rank: every configuration, with the one-process reference on rank 0."""
+    states: dict[str, object] = {"world_size": dist.get_world_size()}
+    for kind, give_optimizer in CONFIGS:
+        state = train(kind, give_optimizer, rank)
+        if rank == 0:
+            state["reference"] = train(kind, give_optimizer, None)
+        states[f"{kind} {give_optimizer}"] = state
+    return states
 
 
 if __name__ == "__main__":
-    main()
+    spawn_two_gloo_ranks(run)

@@ -8,14 +8,20 @@ fresh interpreter spends importing torch and Lightning (issue 27: the suite's sp
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import subprocess
 import sys
+import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,3 +40,24 @@ def run_worker(worker: str, out: Path, *args: str) -> list[dict[str, Any]]:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(path, weights_only=False) for path in sorted(out.glob("rank*.pt"))]
+
+
+def _gloo_rank(rank: int, run: Callable[[int], dict[str, object]], init: str, out: Path) -> None:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        torch.save(run(rank), out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_two_gloo_ranks(run: Callable[[int], dict[str, object]]) -> None:
+    """The ``main`` of a plain-torch 2-process worker: ``--out DIR``, two spawned ranks in a gloo group (file
+    rendezvous), each saving ``run(rank)`` as ``DIR/rank{r}.pt``. ``run`` must be a module-level function."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    init = "file://" + os.path.join(tempfile.mkdtemp(), "rendezvous")
+    mp.spawn(_gloo_rank, args=(run, init, args.out), nprocs=2, join=True)
