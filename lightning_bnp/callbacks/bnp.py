@@ -353,7 +353,10 @@ def _materialize_lazy_layers(pl_module: pl.LightningModule) -> None:
             "shapes BNP needs at setup. Set `self.example_input_array` in the LightningModule (BNP then runs it "
             "through the model once at setup, as ModelSummary does), or run one forward pass before `fit`."
         )
-    example = move_data_to_device(example, pl_module.device)
+    # at `setup` Lightning's `pl_module.device` already names the strategy's device, but the parameters are
+    # still where they were built (the strategy moves them later): the example goes where they are
+    held = next(pl_module.parameters(), None)
+    example = move_data_to_device(example, held.device if held is not None else pl_module.device)
     mode = pl_module.training
     pl_module.eval()
     try:

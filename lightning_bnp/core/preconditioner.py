@@ -753,10 +753,10 @@ class BNPPreconditioner(ArgumentsRepr):
         one_row = tuple(
             i for i, (layer, _, _) in enumerate(ready) if layer.has_bias and running and (i in single or pooled)
         )
-        running_mus = [runnings[i].device_mu() for i in one_row]
         before = steps_before = None
-        if running:
+        if running:  # (first: it moves the statistics to the batch's device and dtype when the model moved)
             before, steps_before = self._state_before(runnings, layout, moments[0].mean)
+        running_mus = [runnings[i].device_mu() for i in one_row]
         grads_w = [grad if layer.kind.same_rows else layer.rows(grad) for layer, _, grad in ready]
         grads_b: list[Tensor | None] = []
         for layer, _, _ in ready:

@@ -22,8 +22,8 @@ from tests.helpers import BoringClassifier, _fit, make_cnn, make_data
 def explicit_column_p(mu: Tensor, var_t: Tensor) -> Tensor:
     """P = [[1, −μᵀ], [0, I]]·diag(1, 1/σ̃) over im2col columns: one entry per (channel, offset), no ⊗e."""
     u = torch.eye(mu.numel() + 1, dtype=torch.float64)
-    u[0, 1:] = -mu.double()
-    return u @ torch.diag(torch.cat([torch.ones(1, dtype=torch.float64), var_t.double().rsqrt()]))
+    u[0, 1:] = -mu.double().cpu()
+    return u @ torch.diag(torch.cat([torch.ones(1, dtype=torch.float64), var_t.double().cpu().rsqrt()]))
 
 
 def test_accumulated_micro_batches_equal_one_batch(tmp_path: Path) -> None:

@@ -25,7 +25,10 @@ class LateClassifier(BoringClassifier):
 
     def configure_model(self) -> None:
         if self.network is None:
-            self.network = make_cnn()
+            # built on the CPU like the `__init__` twin: inside Lightning's init context a GPU run would
+            # otherwise draw the initial weights from the CUDA generator
+            with torch.device("cpu"):
+                self.network = make_cnn()
 
 
 DATA = make_data(32, shape=(2, 5, 5))

@@ -22,7 +22,7 @@ from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.weight_conditioning import WeightConditioning
 from lightning_bnp.core.conditioning import apply_weight_conditioning, conditioned_layers
 from lightning_bnp.core.preconditioner import BNPPreconditioner
-from tests.helpers import ACCELERATOR, BoringClassifier, _fit, make_cnn, make_data, make_mlp
+from tests.helpers import ACCELERATOR, EXACT, BoringClassifier, _fit, make_cnn, make_data, make_mlp
 
 
 def plain_loop(network: nn.Module, data: Any, *, steps: int, bnp: bool = False, **wc: Any) -> nn.Module:
@@ -45,7 +45,7 @@ def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
     named_a, named_b = dict(a.named_parameters()), dict(b.named_parameters())
     assert list(named_a) == list(named_b)
     for name, p in named_a.items():
-        torch.testing.assert_close(p, named_b[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p, named_b[name], **EXACT, msg=name)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@ parameters and running statistics as eager for the ``eager``, ``aot_eager`` and 
 
 from __future__ import annotations
 
+import operator
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -167,10 +169,19 @@ def test_multihead_attention_under_compile(backend: str) -> None:
 
     torch._dynamo.reset()
     eager, _ = run(None)
-    with pytest.warns(BNPWarning, match="'layers.0.self_attn.out_proj'"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         compiled, pre = run(backend)
-    assert [layer.running.steps for layer in pre.layers.values()] == [3, 3, 3, 0, 3, 3]
-    for name in ("in_proj_weight", "in_proj_bias"):
+    named = [
+        w for w in caught if issubclass(w.category, BNPWarning) and "'layers.0.self_attn.out_proj'" in str(w.message)
+    ]
+    steps = [layer.running.steps for layer in pre.layers.values()]
+    # never silent: out_proj is named (torch 2.14: Dynamo does not run the swapped F.linear) or, where a torch
+    # version traces the swap into the graph (2.11 on an H200 warned nothing), preconditioned as in eager
+    assert (steps == [3, 3, 3, 0, 3, 3] and named) or (steps == [3] * 6 and not named), (steps, len(named))
+    names = ("in_proj_weight", "in_proj_bias") + (("out_proj.weight", "out_proj.bias") if not named else ())
+    for name in names:
+        value = operator.attrgetter(name)
         torch.testing.assert_close(
-            getattr(compiled.layers[0].self_attn, name), getattr(eager.layers[0].self_attn, name), rtol=1e-5, atol=1e-6
+            value(compiled.layers[0].self_attn), value(eager.layers[0].self_attn), rtol=1e-5, atol=1e-6, msg=name
         )

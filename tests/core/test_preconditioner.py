@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_bnp import BatchNormPreconditioning
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
+from tests.helpers import TINY_EPS
 
 TINY = 1e-30  # ε1, ε2 must be > 0; this makes them vanish next to any variance
 
@@ -31,7 +32,7 @@ def test_prop7_dense_bnp_step_equals_bn_step() -> None:
     torch.manual_seed(2)
     bn_layer = nn.Linear(features, out).double()
     # BN with the statistics as constants: eval-mode batch_norm fed the batch statistics (the oracle)
-    normalized = F.batch_norm(h, mu_h, var_h, training=False, eps=0.0)
+    normalized = F.batch_norm(h, mu_h, var_h, training=False, eps=TINY_EPS)
     F.cross_entropy(bn_layer(normalized), target).backward()
     with torch.no_grad():
         w_bn = bn_layer.weight - lr * bn_layer.weight.grad
@@ -67,7 +68,7 @@ def test_prop7_conv_bnp_step_equals_bn2d_step_up_to_q2() -> None:
 
     torch.manual_seed(3)
     bn_conv = nn.Conv2d(c_in, c_out, 3).double()
-    F.mse_loss(bn_conv(F.batch_norm(h, mu_h, var_h, training=False, eps=0.0)), target).backward()
+    F.mse_loss(bn_conv(F.batch_norm(h, mu_h, var_h, training=False, eps=TINY_EPS)), target).backward()
     with torch.no_grad():
         w_bn = bn_conv.weight - lr * bn_conv.weight.grad
         b_bn = bn_conv.bias - lr * bn_conv.bias.grad

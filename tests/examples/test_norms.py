@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 from example_projects.models import cnn5, fc_network
 from example_projects.norms import BatchRenorm, GhostBatchNorm, four_things_norm
+from tests.helpers import TINY_EPS
 
 
 def _renorm(seed: int = 0) -> tuple[BatchRenorm, Tensor]:
@@ -66,7 +67,7 @@ def test_renorm_before_relaxation_is_batch_norm_and_inference_uses_the_moving_st
     torch.testing.assert_close(layer(x), bn)  # r = 1, d = 0 at step 0
     layer.eval()
     var = layer.running_std**2
-    expected = F.batch_norm(x, layer.running_mean, var, layer.weight, layer.bias, training=False, eps=0.0)
+    expected = F.batch_norm(x, layer.running_mean, var, layer.weight, layer.bias, training=False, eps=TINY_EPS)
     torch.testing.assert_close(layer(x), expected)
 
 
