@@ -289,3 +289,21 @@ def test_a_step_without_a_real_token_keeps_the_statistics_and_a_nan_token_is_sti
         pre.step()
         pre.flush_warnings()
     assert any("NaN or Inf" in str(w.message) for w in caught if issubclass(w.category, BNPWarning))
+
+
+def test_transformer_encoder_with_its_float_key_padding_mask() -> None:
+    """nn.TransformerEncoder turns src_key_padding_mask into a float mask (−inf = padding) before its attention:
+    the k and v blocks read that one; every layer of both encoder layers counts the 20 real tokens."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    pre = BNPPreconditioner(encoder, statistics="batch")
+    seen = spy(pre)
+    x, mask = padded()
+    with pre.token_mask(mask):
+        out = encoder(x, src_key_padding_mask=~mask)
+    out.masked_fill(~mask[..., None], 0.0).sum().backward()
+    pre.step()
+    for block in "qkv":
+        check_moments(seen[f"layers.0.self_attn.{block}"], x[mask])
+    assert len(seen) == 12 and all(float(m.rows) == int(mask.sum()) for m in seen.values())
