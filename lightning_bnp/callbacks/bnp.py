@@ -28,13 +28,15 @@ never enters the running statistics (the core's module docstring).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, Union
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Optional, Protocol, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import move_data_to_device, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -47,7 +49,7 @@ from lightning_bnp.core.preconditioner import (
     validate_bnp_arguments,
 )
 from lightning_bnp.core.reparametrization import lazy_names
-from lightning_bnp.core.validation import check_bool
+from lightning_bnp.core.validation import check_bool, check_patterns
 
 __all__ = ["BatchNormPreconditioning", "StepRegularizer"]
 
@@ -92,6 +94,13 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             offset over the patches that offset sees, padding zeros included; Alg. 2 applied to the unfolded
             input, with Alg. 3's q²). ``"column"`` matters where feature maps are small next to the kernel
             (Prop. 10); README "What it computes" and ``benchmarks/RESULTS.md`` §6 give its accuracy and cost.
+        token_mask: where a training batch carries its token mask (True or nonzero = a real token, as Hugging
+            Face's ``attention_mask``): a key of a dict batch (or an attribute of the batch), or a function of the
+            batch that returns the mask (or ``None``). The callback sets it on the preconditioner for that batch's
+            forward (:meth:`BNPPreconditioner.set_token_mask`): μ, σ² and N of the managed layers are then those
+            of the real tokens only (README "Transformers").
+        token_mask_layers: glob patterns of the layers the token mask applies to (default: all), e.g.
+            ``"encoder.*"`` to leave out a head that sees one pooled row per sequence.
         compile_step: run the tensor work of every step (statistics update and gradient transform) as one
             ``torch.compile(fullgraph=True)`` graph (:meth:`BNPPreconditioner.compile_step`); for models that
             are compiled themselves (the example projects turn it on with ``--model.compile=true``).
@@ -109,7 +118,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         trainer = Trainer(callbacks=[BatchNormPreconditioning()])
     """
 
-    _repr_if_set = ("conv_statistics", "compile_step")
+    _repr_if_set = ("conv_statistics", "compile_step", "token_mask", "token_mask_layers")
 
     def __init__(
         self,
@@ -126,8 +135,16 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         verbose: bool = True,
         conv_statistics: Literal["channel", "column"] = "channel",
         compile_step: bool = False,
+        token_mask: Union[str, Callable[[Any], Optional[Tensor]], None] = None,
+        token_mask_layers: Union[list[str], str, None] = None,
     ) -> None:
         self.compile_step = check_bool("compile_step", compile_step)
+        if token_mask is not None and not isinstance(token_mask, str) and not callable(token_mask):
+            raise TypeError(
+                f"`token_mask` must be a batch key (str), a function of the batch, or None, got {token_mask!r}"
+            )
+        self.token_mask = token_mask
+        self.token_mask_layers = check_patterns("token_mask_layers", token_mask_layers)
         self.layer_types, include, exclude = validate_bnp_arguments(
             rho,
             eps1,
@@ -294,6 +311,45 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
                 f"one sample ({samples} samples, batch_size={batch_size}, drop_last=False): use "
                 "DataLoader(..., drop_last=True), another batch size, or statistics='running'."
             )
+
+    # ------------------------------------------------------------------ token masks
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.token_mask is None or self.preconditioner is None:
+            return
+        self.preconditioner.set_token_mask(self._mask_of(batch), layers=self.token_mask_layers)
+
+    def _mask_of(self, batch: Any) -> Tensor | None:
+        key = self.token_mask
+        if callable(key):
+            return key(batch)
+        assert isinstance(key, str)
+        if isinstance(batch, Mapping):
+            if key not in batch:
+                raise ValueError(
+                    f"`token_mask`={key!r}: the training batch has no such key; its keys are {list(batch)}"
+                )
+            return batch[key]
+        if not hasattr(batch, key):
+            raise ValueError(
+                f"`token_mask`={key!r}: the training batch ({type(batch).__name__}) has no such key or attribute; "
+                "pass a function of the batch that returns the mask"
+            )
+        return getattr(batch, key)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.token_mask is not None and self.preconditioner is not None:
+            self.preconditioner.set_token_mask(None)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.preconditioner is not None:
+            self.preconditioner.set_token_mask(None)
 
     # ------------------------------------------------------------------- step
     @override

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -45,6 +47,7 @@ from lightning_bnp.core.layers import weight_leaf
 
 __all__ = [
     "FunctionalLinearKind",
+    "MHAOutProjKind",
     "MHAProjectionKind",
     "capturing",
     "register_functional_linear",
@@ -90,6 +93,18 @@ class MHAProjectionKind(LayerKind):
 
     def input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return args[self.block] if len(args) > self.block else kwargs.get(self.input_name)
+
+    def token_rows(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], h: Tensor, mask: Tensor
+    ) -> Tensor | None:
+        """The query's rows: the token mask (in the MHA's layout, (N, L) with ``batch_first``, else (L, N)). The
+        key's and value's rows: the MHA's own ``key_padding_mask`` when the call has one (True = padding, or
+        −inf in a float mask; (N, S) whatever ``batch_first``), else the token mask."""
+        padding = args[3] if len(args) > 3 else kwargs.get("key_padding_mask")
+        if self.block == 0 or not isinstance(padding, Tensor):
+            return mask if mask.shape == h.shape[:-1] else None
+        real = _real_keys(padding, transpose=not module.batch_first and padding.dim() == 2)
+        return real if real.shape == h.shape[:-1] else None
 
     def calls(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -146,6 +161,37 @@ class FunctionalLinearKind(LayerKind):
         return self._child(module).weight  # type: ignore[return-value]
 
 
+class MHAOutProjKind(FunctionalLinearKind):
+    """``nn.MultiheadAttention.out_proj``: its input is the attention output flattened to (L·N, E), rows in
+    (position, batch) order whatever ``batch_first``; a token mask is the query's."""
+
+    def token_rows(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], h: Tensor, mask: Tensor
+    ) -> Tensor | None:
+        query = args[0] if args else kwargs.get("query")
+        if not isinstance(query, Tensor) or mask.shape != query.shape[:-1]:
+            return None
+        rows = mask.t() if module.batch_first and mask.dim() == 2 else mask  # (L, N): the order of h's rows
+        return rows.reshape(h.shape[:-1]) if rows.numel() == h.shape[:-1].numel() else None
+
+
+_LAST_KEYS: list[Any] = [None]  # the k and v blocks of one call invert its key_padding_mask once
+
+
+def _real_keys(padding: Tensor, *, transpose: bool) -> Tensor:
+    """True where ``key_padding_mask`` marks a real key (False, or not −inf in a float mask), in the key's
+    layout ((S, N) when ``transpose``)."""
+    last = _LAST_KEYS[0]
+    compiling = torch.compiler.is_compiling()
+    if not compiling and last is not None and last[0]() is padding and last[1:3] == (padding._version, transpose):
+        return last[3]
+    real = ~padding if padding.dtype == torch.bool else ~torch.isneginf(padding)
+    real = real.t() if transpose else real
+    if not compiling:
+        _LAST_KEYS[0] = (weakref.ref(padding), padding._version, transpose, real)
+    return real
+
+
 # ------------------------------------------------------------------ F.linear capture
 _LOCK = threading.Lock()
 _ORIGINAL_LINEAR = F.linear
@@ -197,7 +243,7 @@ def register_functional_linear(
 
 for _block in range(3):
     register_layer_kind(MHAProjectionKind(_block))
-register_layer_kind(FunctionalLinearKind(nn.MultiheadAttention, "out_proj", name="MultiheadAttention.out_proj"))
+register_layer_kind(MHAOutProjKind(nn.MultiheadAttention, "out_proj", name="MultiheadAttention.out_proj"))
 # torchvision's Swin (V1 and V2 share the class hierarchy): qkv and proj go through F.linear
 _SWIN = "torchvision.models.swin_transformer.ShiftedWindowAttention"
 register_layer_kind(FunctionalLinearKind(_SWIN, "qkv", name="torchvision.ShiftedWindowAttention.qkv"))

@@ -36,7 +36,13 @@ from torch import Tensor, nn
 from lightning_bnp.core.layers import weight_leaf
 from lightning_bnp.core.reparametrization import bias_leaf
 from lightning_bnp.core.selection import filter_by_name, validate_layer_types
-from lightning_bnp.core.statistics import Moments, column_moments_of_input, feature_moments, moments_of_input
+from lightning_bnp.core.statistics import (
+    Moments,
+    column_moments_of_input,
+    feature_moments,
+    masked_feature_moments,
+    moments_of_input,
+)
 from lightning_bnp.core.validation import check_patterns
 
 __all__ = [
@@ -180,6 +186,20 @@ class LayerKind:
         """Statistics of one forward call's input ``h``: a linear layer's, per feature (last dimension) over
         every leading dimension (:func:`~lightning_bnp.core.statistics.feature_moments`)."""
         return feature_moments(h)
+
+    def token_rows(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], h: Tensor, mask: Tensor
+    ) -> Tensor | None:
+        """The token mask set with ``BNPPreconditioner.token_mask`` (bool, True = a real token) as one flag per
+        row of the input ``h``, shaped as ``h``'s leading dimensions; ``None`` when ``mask`` does not fit this
+        input (the preconditioner then raises, naming the layer and both shapes). By default the mask must have
+        exactly ``h.shape[:-1]`` (a (B, T, F) input takes a (B, T) mask), and only dense kinds take one."""
+        return mask if self.dense and mask.shape == h.shape[:-1] else None
+
+    def masked_moments(self, module: nn.Module, h: Tensor, output: Any, real: Tensor) -> Moments:
+        """:meth:`moments` of the rows of ``h`` that ``real`` (from :meth:`token_rows`) marks, their count on
+        the device (:func:`~lightning_bnp.core.statistics.masked_feature_moments`)."""
+        return masked_feature_moments(h, real)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

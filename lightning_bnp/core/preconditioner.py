@@ -55,6 +55,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 import torch
@@ -310,6 +311,30 @@ def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, 
     return part
 
 
+def _names_of(layer: _Layer) -> tuple[str, ...]:
+    """A layer's name, its module's (``attn`` for ``attn.q``) and those of modules tied to it."""
+    suffix = layer.kind.suffix
+    module = layer.name[: -len(suffix)] if suffix and layer.name.endswith(suffix) else layer.name
+    return (layer.name, module, *layer.tied)
+
+
+def _jagged_rows(layer: _Layer, module: nn.Module, h: Tensor) -> Tensor:
+    """The real rows of a nested input: a jagged nested tensor's ``values()`` (Σ lengths, …, F), every row a
+    token, no padding.
+
+    Raises:
+        ValueError: a nested tensor of another layout (torch.strided), or a layer whose rows are not tokens.
+    """
+    if h.layout != torch.jagged or not layer.kind.dense:
+        raise ValueError(
+            f"BNP layer {layer.name!r} ({type(module).__name__}) got a nested tensor of layout {h.layout} "
+            f"({h.size(0)} sequences); BNP reads the real rows of a jagged one (torch.nested.nested_tensor(..., "
+            "layout=torch.jagged)) into a dense layer (Linear and its kinds). Pass a jagged nested tensor, or a "
+            "padded tensor with `token_mask`, or exclude the layer with `exclude`"
+        )
+    return h.values()
+
+
 def _local_rows(layer: _Layer, grad: Tensor) -> Tensor:
     """The rows of a gradient this rank holds: ``grad`` itself, or for a ``DTensor`` (FSDP2's ``fully_shard``) its
     local shard — rows of the weight (``Shard(0)``: BNP's transform is row-local and uses the full-width statistics
@@ -446,6 +471,9 @@ class BNPPreconditioner(ArgumentsRepr):
         self._not_run_here: set[str] = set()  # this step's layers whose forward did not run on this rank
         self._compiled: Any = None  # _step_math compiled (compile_step), or None: eager
         self._compile_options: dict[str, Any] | None = None  # compile_step's options (a copy compiles its own)
+        self._token_mask: Tensor | None = None  # set_token_mask / token_mask: True = a real token
+        self._mask_layers: frozenset[str] | None = None  # the layers it applies to (None: all)
+        self._mask_layer_sets: dict[tuple[str, ...], frozenset[str]] = {}  # `layers` patterns → layer names
         self.attach()
 
     _repr_skip = ("model",)
@@ -516,7 +544,7 @@ class BNPPreconditioner(ArgumentsRepr):
         state.update(_handles=[], _commit_hooks={}, _pending={}, _layouts={}, _was_attached=self.attached)
         # a compiled function and CUDA events do not copy: a copy compiles its own step, and warnings still owed
         # for past steps are the original's to raise
-        state.update(_compiled=None, _unreported=[])
+        state.update(_compiled=None, _unreported=[], _token_mask=None, _mask_layers=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -552,6 +580,111 @@ class BNPPreconditioner(ArgumentsRepr):
         finally:
             self._collecting = previous
 
+    @contextmanager
+    def token_mask(self, mask: Tensor | None, *, layers: Sequence[str] | str | None = None) -> Iterator[None]:
+        """Forward passes inside this context count only the real tokens of their (B, T, …) inputs: μ, σ² and
+        N (so q²) of every managed layer are those of the rows ``mask`` marks, as if the padding were not
+        there. The previous mask (or none) is restored on exit; :meth:`set_token_mask` sets one without a
+        context. Arguments as :meth:`set_token_mask`.
+
+        Example (HF-style ``attention_mask``: 1 = real token)::
+
+            with pre.token_mask(batch["attention_mask"]):
+                loss = model(batch["input_ids"], batch["attention_mask"]).loss
+            loss.backward()
+            pre.step()
+        """
+        previous = self._token_mask, self._mask_layers
+        self.set_token_mask(mask, layers=layers)
+        try:
+            yield
+        finally:
+            self._token_mask, self._mask_layers = previous
+
+    def set_token_mask(self, mask: Tensor | None, *, layers: Sequence[str] | str | None = None) -> None:
+        """Count only the real tokens in the forward passes from now on (until the next call; ``None``: every
+        row counts again). Statistics of a forward are taken at the forward: what happens before the
+        backward or the step does not matter.
+
+        Args:
+            mask: which positions are real: a bool tensor (True = real) or an integer one (nonzero = real, as
+                Hugging Face's ``attention_mask``), shaped as the leading dimensions of each managed layer's
+                input: (B, T) for a (B, T, F) input; (T, B) where the model is sequence-first. The *inverse* of
+                ``nn.MultiheadAttention``'s ``key_padding_mask`` (True = padding): pass ``~key_padding_mask``.
+                A ``nn.MultiheadAttention`` reads the mask in its own layout (its query's leading dimensions;
+                ``out_proj`` takes the query's mask), and its key and value projections use the call's own
+                ``key_padding_mask`` when it has one (cross-attention: the memory's padding), else the mask.
+                ``None``: no mask.
+            layers: glob patterns of layer or module names the mask applies to (default: every managed layer);
+                the others count every row. E.g. ``"encoder.*"`` to leave out a classifier head that sees one
+                pooled row per sequence.
+
+        A jagged nested tensor (``torch.nested``, ``layout=torch.jagged``) needs no mask: its real rows are used.
+
+        Raises:
+            TypeError: ``mask`` is not a bool or integer tensor, or ``layers`` is not a string or list of strings.
+            ValueError: a pattern matches no layer. At the forward: the mask does not fit a layer's input (the
+                error names the layer and both shapes).
+        """
+        if mask is not None:
+            if not isinstance(mask, Tensor) or mask.dtype.is_floating_point or mask.dtype.is_complex:
+                described = f"a tensor of dtype {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
+                raise TypeError(
+                    "`mask` must be a bool tensor (True = real token) or an integer one (nonzero = real token), "
+                    f"got {described}"
+                )
+            if mask.dim() == 0:
+                raise ValueError(
+                    f"`mask` needs the leading dimensions of the layers' inputs, got shape {tuple(mask.shape)}"
+                )
+            mask = mask if mask.dtype == torch.bool else mask != 0
+        chosen = None
+        if layers is not None:
+            patterns = check_patterns("layers", layers)
+            assert patterns is not None
+            chosen = self._mask_layer_sets.get(tuple(patterns))  # the callback sets one per batch
+            if chosen is None:
+                chosen = self._mask_layer_sets[tuple(patterns)] = self._layers_matching(patterns)
+        self._token_mask, self._mask_layers = mask, chosen
+
+    def _layers_matching(self, patterns: list[str]) -> frozenset[str]:
+        chosen: set[str] = set()
+        for pattern in patterns:
+            matched = {
+                layer.name for layer in self._layer_list if any(fnmatchcase(name, pattern) for name in _names_of(layer))
+            }
+            if not matched:
+                raise ValueError(f"`layers` pattern {pattern!r} matches no BNP layer; layers are {list(self.layers)}")
+            chosen |= matched
+        return frozenset(chosen)
+
+    def _moments_of(
+        self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], h: Tensor, output: Any
+    ) -> Moments | None:
+        """The moments of one call under a token mask or of a nested input; ``None`` for the usual case (no mask
+        applies, a dense input): the caller reduces it as always."""
+        mask = self._token_mask
+        if mask is not None and (self._mask_layers is None or layer.name in self._mask_layers):
+            if h.is_nested:
+                raise ValueError(
+                    f"BNP layer {layer.name!r} ({type(module).__name__}) got a nested tensor while a token mask of "
+                    f"shape {tuple(mask.shape)} is set: a nested tensor holds no padding (its real rows are used "
+                    "without a mask); leave this layer out of the mask with `layers`"
+                )
+            real = layer.kind.token_rows(module, args, kwargs, h, mask)
+            if real is None:
+                raise ValueError(
+                    f"BNP layer {layer.name!r} ({type(module).__name__}): the token mask of shape "
+                    f"{tuple(mask.shape)} does not fit its input of shape {tuple(h.shape)} (the mask needs the "
+                    "input's leading dimensions; a MultiheadAttention's, those of its query, key or value). Pass "
+                    "the mask in the layout this layer sees, or leave the layer out with "
+                    "`token_mask(mask, layers=...)`"
+                )
+            return layer.kind.masked_moments(module, h, output, real)
+        if h.is_nested:
+            return layer.kind.moments(module, _jagged_rows(layer, module, h), output)
+        return None
+
     def _make_hook(self, layer: _Layer) -> Any:
         kind = layer.kind
         moments, layer_input, default_input, input_name = kind.moments, kind.input, kind.default_input, kind.input_name
@@ -566,14 +699,17 @@ class BNPPreconditioner(ArgumentsRepr):
                 h = layer_input(module, args, kwargs)
             if not isinstance(h, Tensor) or not isinstance(output, Tensor):
                 return
+            special = None
+            if self._token_mask is not None or h.is_nested:  # token masks, jagged rows
+                special = self._moments_of(layer, module, args, kwargs, h, output)
             if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
-                part = moments(module, h, output)
+                part = moments(module, h, output) if special is None else special
                 layer.moments = part if layer.moments is None else layer.moments.merge(part)
                 return
             node = output.grad_fn
             if node is None:
                 return
-            part = moments(module, h, output)  # on h.detach(): records no graph
+            part = moments(module, h, output) if special is None else special  # on h.detach(): records no graph
             node.register_prehook(self._count_when_reached(layer, part))
 
         return hook
@@ -613,13 +749,15 @@ class BNPPreconditioner(ArgumentsRepr):
             for h, out in calls:
                 if not isinstance(h, Tensor) or not isinstance(out, Tensor):
                     continue
+                special = None
+                if self._token_mask is not None or h.is_nested:  # token masks, jagged rows
+                    special = self._moments_of(layer, module, args, kwargs, h, out)
                 if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
-                    part = kind.moments(module, h, out)
+                    part = kind.moments(module, h, out) if special is None else special
                     layer.moments = part if layer.moments is None else layer.moments.merge(part)
                 elif out.grad_fn is not None:
-                    out.grad_fn.register_prehook(
-                        self._count_when_reached(layer, _shared_moments(shared, kind, module, h, out))
-                    )
+                    part = _shared_moments(shared, kind, module, h, out) if special is None else special
+                    out.grad_fn.register_prehook(self._count_when_reached(layer, part))
 
         handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
         return handles
@@ -795,7 +933,11 @@ class BNPPreconditioner(ArgumentsRepr):
             q2s = list(q2_out.unbind(0))
         # (a layer this rank never ran has had its own warning: a NaN there is not reported again)
         reported = [layer if layer.name not in self._not_run_here else None for layer, _, _ in ready]
-        self._unreported.append((reported, _host_copy(peak)))
+        # with counts on the device (pooled, or token masks), the rows too: a layer that saw no row (every token
+        # padding) has a NaN peak but nothing to report
+        self._unreported.append(
+            (reported, _host_copy(peak if counts is None else torch.cat([peak, counts[:, 0].to(peak.dtype)])))
+        )
         if running:
             total = layout.total
             state = (after[:total], after[total : 2 * total], after[2 * total :])
@@ -860,10 +1002,12 @@ class BNPPreconditioner(ArgumentsRepr):
                 return
             self._unreported.pop(0)
             peaks = host.numpy()
+            rows = peaks[len(layers) :].tolist()  # empty unless the counts were on the device
+            peaks = peaks[: len(layers)]
             if math.isfinite(peaks.sum()):  # the usual case: nothing to report (an inf sum falls through)
                 continue
-            for layer, peak in zip(layers, peaks.tolist()):
-                if layer is None:
+            for i, (layer, peak) in enumerate(zip(layers, peaks.tolist())):
+                if layer is None or (rows and rows[i] == 0):
                     continue
                 if math.isnan(peak):
                     self._warn(layer, "non-finite", _NON_FINITE if self.statistics == "running" else _NON_FINITE_BATCH)

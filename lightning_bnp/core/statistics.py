@@ -35,6 +35,7 @@ __all__ = [
     "column_moments_of_input",
     "ema_update",
     "feature_moments",
+    "masked_feature_moments",
     "moments_of_input",
     "statistics_dtype",
 ]
@@ -175,6 +176,28 @@ def feature_moments(h: Tensor) -> Moments:
     x = h.reshape(-1, h.shape[-1])
     mean, var = _per_channel_mean_var(x)
     return Moments(x.shape[0], x.shape[0], x.shape[0], mean, var)
+
+
+def masked_feature_moments(h: Tensor, real: Tensor) -> Moments:
+    """Per-feature statistics of the rows of ``h`` (…, F) that ``real`` (a bool tensor of ``h``'s leading
+    dimensions, True = a real token) marks: the mean and biased variance over the real rows only, N = their
+    number (token masks, ``BNPPreconditioner.token_mask``).
+
+    No row is gathered (``h[real]`` would read the count back to the host and give a shape only known at run
+    time): padded rows are zeroed in both passes and the count stays a 0-dim float64 tensor on the device, which
+    the step reads there (as it does counts pooled over ranks). A padded row's values never enter the result,
+    not even a NaN there. With no real row the part counts 0 and adds nothing."""
+    h = h.detach()
+    if h.dtype not in (torch.float32, torch.float64):
+        h = h.float()  # half / bfloat16 (autocast): statistics in float32
+    x = h.reshape(-1, h.shape[-1])
+    keep = real.to(device=x.device).reshape(-1, 1)
+    count = keep.sum(dtype=torch.float64)  # N on the device
+    per = count.clamp_min(1.0).to(x.dtype)
+    mean = torch.where(keep, x, 0.0).sum(0) / per
+    centred = torch.where(keep, x - mean, 0.0)
+    var = centred.square_().sum(0) / per
+    return Moments(count, count, count, mean, var)
 
 
 def column_moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
