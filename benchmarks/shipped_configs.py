@@ -7,15 +7,19 @@ into the repository, and prints a Markdown table (also written to ``benchmarks/o
 data that ran, epochs and steps, the last training loss, the last validation accuracy and a verdict. A run
 *diverged* when its training loss is not finite or exceeds 1e3, or its final validation accuracy is at chance
 (≤ 15%). ``--max-epochs`` caps a config's ``trainer.max_epochs`` (for the 164-epoch ResNets on a CPU); every
-capped row says so.
+capped row says so. A config on several devices (``fsdp2``: 2 CPU processes) is fitted by this module run again in a
+subprocess on that one config (``--one``), since Lightning starts the other ranks by running the same command again.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from fnmatch import fnmatchcase
@@ -40,8 +44,24 @@ def bnp_configs() -> list[Path]:
     ]
 
 
+def devices(config: Path) -> int:
+    """The config's ``trainer.devices`` (1 when it names none)."""
+    return int(yaml.safe_load(config.read_text())["trainer"].get("devices", 1))
+
+
+def run_processes(config: Path, max_epochs: int | None) -> dict[str, object]:
+    """:func:`run` for a config on several devices: ``python -m benchmarks.shipped_configs --one <config>`` in this
+    working directory, whose rank 0 writes the row as JSON."""
+    result = Path.cwd() / f"{config.parent.parent.name}_{config.stem}.json"
+    cmd = [sys.executable, "-m", "benchmarks.shipped_configs", "--one", str(config), "--result", str(result)]
+    cmd += ["--max-epochs", str(max_epochs)] if max_epochs else []
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return dict(json.loads(result.read_text()))
+
+
 def run(config: Path, max_epochs: int | None) -> dict[str, object]:
-    """Fit one config with its own settings (``max_epochs`` capped if asked) and read back its last metrics."""
+    """Fit one config with its own settings (``max_epochs`` capped if asked) and read back its last metrics (rank 0's
+    training loss, the validation accuracy over every rank)."""
     project = config.parent.parent.name
     stated = int(yaml.safe_load(config.read_text())["trainer"].get("max_epochs", 1000))
     epochs = min(stated, max_epochs) if max_epochs else stated
@@ -65,6 +85,7 @@ def run(config: Path, max_epochs: int | None) -> dict[str, object]:
         "val": val,
         "verdict": "**diverged**" if diverged else "trains",
         "minutes": seconds / 60,
+        "rank": cli.trainer.global_rank,
     }
 
 
@@ -72,9 +93,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.shipped_configs", description=__doc__)
     parser.add_argument("--max-epochs", type=int, default=None, help="cap every config's trainer.max_epochs")
     parser.add_argument("--only", default="*", help="glob on '<project>/<config stem>' (default: all)")
+    parser.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)  # run_processes: this config only
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)  # ... its row as JSON (rank 0)
     args = parser.parse_args(argv)
     if args.max_epochs is not None and args.max_epochs < 1:
         parser.error(f"--max-epochs must be a positive integer, got {args.max_epochs}")
+    if args.one is not None:
+        row = run(args.one, args.max_epochs)
+        if row.pop("rank") == 0:
+            args.result.write_text(json.dumps(row))
+        return
     configs = [c for c in bnp_configs() if fnmatchcase(f"{c.parent.parent.name}/{c.stem}", args.only)]
     if not configs:
         parser.error(f"--only {args.only!r} matches no BNP config")
@@ -84,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         os.chdir(scratch)  # the configs' relative `runs` and `data` land in the scratch folder
         try:
             for config in configs:
-                rows.append(run(config, args.max_epochs))
+                rows.append((run_processes if devices(config) > 1 else run)(config, args.max_epochs))
+                rows[-1].pop("rank", None)
                 print(rows[-1], flush=True)
         finally:
             os.chdir(here)

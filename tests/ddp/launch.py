@@ -30,14 +30,15 @@ def _one_process(args: tuple[str, ...]) -> bool:
     return "--devices" in args and args[args.index("--devices") + 1] == "1"
 
 
-def run_worker(worker: str, out: Path, *args: str) -> list[dict[str, Any]]:
+def run_worker(worker: str, out: Path, *args: str, cwd: Path = ROOT) -> list[dict[str, Any]]:
+    """``cwd``: the working directory of the subprocess (where relative paths of the run resolve)."""
     argv = ["--out", str(out), *args]
     if _one_process(args):
         importlib.import_module(f"tests.ddp.{worker}").main(argv)
     else:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
         cmd = [sys.executable, "-m", f"tests.ddp.{worker}", *argv]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(path, weights_only=False) for path in sorted(out.glob("rank*.pt"))]
 

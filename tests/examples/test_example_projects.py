@@ -3,7 +3,8 @@ runs ``fast_dev_run``; callbacks can be appended on the command line.
 
 The CLIs run in-process (``cli_main([...])``) from inside ``tmp_path``, on the offline 28×28 MNIST digits (the
 configs' ``auto`` falls back to them there; the tests also force ``--data.dataset=mnist5k``). New configs are picked
-up by the glob.
+up by the glob. A config that names several devices (``fsdp2``: 2 CPU processes) runs its ``fast_dev_run`` as the
+user's command does, in a subprocess from which Lightning starts the other rank (``tests/ddp/cli_worker.py``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 
 from example_projects.cli import ProjectCLI
 from lightning_bnp import BatchNormPreconditioning
+from tests.ddp.launch import run_worker
 from tests.helpers import ACCELERATOR
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECTS = ("fc_mnist", "cnn_cifar", "resnet_gn", "resnet_imagenet", "online", "weight_conditioning")
+PROJECTS = ("fc_mnist", "cnn_cifar", "resnet_gn", "resnet_imagenet", "online", "weight_conditioning", "fsdp2")
 CONFIGS = sorted(ROOT.glob("example_projects/*/configs/*.yaml"))
 # fast_dev_run only: CIFAR ResNet configs run at depth 8 (their own depth, 20 or 110, is checked by the print test),
 # ResNet-18 at batch 8 without loader processes (its batch 256 and 8 workers are for ImageNet on a GPU)
@@ -42,10 +44,16 @@ def _project(config: Path) -> str:
     return config.parent.parent.name
 
 
+def _devices(config: Path) -> int:
+    """The config's ``trainer.devices`` (1 when it names none)."""
+    return int(yaml.safe_load(config.read_text())["trainer"].get("devices", 1))
+
+
 def _config_params() -> list[Any]:
     params = []
     for config in CONFIGS:
-        params.append(pytest.param(config, id=f"{_project(config)}/{config.stem}"))
+        marks = [pytest.mark.slow] if _devices(config) > 1 else []  # several processes: a subprocess, seconds more
+        params.append(pytest.param(config, id=f"{_project(config)}/{config.stem}", marks=marks))
     return params
 
 
@@ -90,17 +98,44 @@ def test_every_project_has_configs() -> None:
             assert (ROOT / "example_projects" / project / name).is_file()
 
 
+def _fast_dev_run_processes(project: str, config: Path, tmp_path: Path) -> list[dict[str, Any]]:
+    """``fast_dev_run`` of a several-device config on CPU processes (gloo), run in ``tmp_path``; each rank's state."""
+    args = ["fit", "--config", str(config), "--trainer.fast_dev_run=true", "--trainer.accelerator=cpu"]
+    args += [f"--trainer.default_root_dir={tmp_path}", "--data.dataset=mnist5k", "--data.eval_batch_size=50", *QUIET]
+    return run_worker("cli_worker", tmp_path / "ranks", "--project", project, *args, cwd=tmp_path)
+
+
+def _assert_row_sharded(states: list[dict[str, Any]], devices: int) -> None:
+    """Every rank finished one step with BNP on every layer, and each parameter's rows are split over the ranks."""
+    assert len(states) == devices
+    for state in states:
+        assert state["finished"] and state["global_step"] == 1 and state["world_size"] == devices
+        assert state["strategy"] == "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy"
+        assert state["bnp_layers"] == states[0]["bnp_layers"] and state["bnp_layers"]
+    for name, (kind, _, rows) in states[0]["rows"].items():
+        assert kind == "DTensor", name
+        assert sum(state["rows"][name][1] for state in states) == rows, name  # FSDP2: dim 0 split, nothing repeated
+        assert all(0 < state["rows"][name][1] < rows for state in states), name
+
+
 @pytest.mark.parametrize("config", _config_params())
 def test_config_runs_fast_dev_run(config: Path, tmp_path: Path) -> None:
     project = _project(config)
+    named = [entry["class_path"] for entry in yaml.safe_load(config.read_text())["trainer"].get("callbacks") or []]
+    if _devices(config) > 1:
+        states = _fast_dev_run_processes(project, config, tmp_path)
+        _assert_row_sharded(states, _devices(config))
+        for state in states:  # every callback the YAML names is on every rank's trainer
+            assert {path.rpartition(".")[2] for path in named} <= set(state["callbacks"]), state["callbacks"]
+        return
     cli = _fast_dev_run(project, tmp_path, "--config", str(config), *FAST_OVERRIDES.get(project, []))
     assert cli.trainer.state.finished
     assert cli.trainer.global_step == 1
     # every callback the YAML names is on the trainer
-    for entry in yaml.safe_load(config.read_text())["trainer"].get("callbacks") or []:
-        module, _, name = entry["class_path"].rpartition(".")
+    for class_path in named:
+        module, _, name = class_path.rpartition(".")
         kind = getattr(importlib.import_module(module), name)
-        assert any(isinstance(cb, kind) for cb in cli.trainer.callbacks), entry["class_path"]
+        assert any(isinstance(cb, kind) for cb in cli.trainer.callbacks), class_path
 
 
 @pytest.mark.parametrize("config", _config_params())
