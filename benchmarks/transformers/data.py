@@ -41,10 +41,13 @@ def prepare(cache: Path | None) -> dict[str, Any]:
     """The cached data when ``cache`` exists; else built, and written to ``cache`` when one is given.
 
     Raises:
-        ValueError: ``cache`` exists but is not a file this module wrote.
+        ValueError: ``cache`` exists but is not a file this module wrote (or cannot be read).
     """
     if cache is not None and cache.exists():
-        saved = torch.load(cache, weights_only=True)
+        try:
+            saved = torch.load(cache, weights_only=True)
+        except Exception as err:  # torch.load raises several kinds for a file it cannot read
+            raise ValueError(f"`--data-cache` {str(cache)!r} cannot be read: {err}") from err
         if not isinstance(saved, dict) or saved.get("format") != FORMAT:
             raise ValueError(f"`--data-cache` {str(cache)!r} is not a data file of this benchmark (format {FORMAT})")
         return saved

@@ -175,10 +175,7 @@ def section(
     meta: dict[str, Any],
 ) -> tuple[list[str], dict[Setting, dict[str, report.Choice]]]:
     cache = meta["cache"]
-    by_setting = {
-        s: {v: report.choose(s, v, results, meta["device"], cache) for v in s.variants}
-        for s in settings
-    }
+    by_setting = {s: {v: report.choose(s, v, results, meta["device"], cache) for v in s.variants} for s in settings}
     vit = [s for s in settings if s.task == "vit"]
     lm = next(s for s in settings if s.task == "lm")
     sha = str(meta["corpus_sha256"])

@@ -230,4 +230,6 @@ def extract(report: str) -> list[str]:
     if start is None:
         return []
     end = next((i for i in range(start + 1, len(text)) if text[i].startswith("## ") or text[i] == "---"), len(text))
+    while end > start and not text[end - 1]:  # splice adds the blank line back
+        end -= 1
     return text[start:end]
