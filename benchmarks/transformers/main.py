@@ -59,7 +59,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--deadline must be > 0 minutes, got {args.deadline}")
     if not args.length > 0:
         parser.error(f"--length must be > 0, got {args.length}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.rerender:
         parser.error(f"--device {args.device}: CUDA is not available here")
     args.jobs = args.jobs or min(os.cpu_count() or 1, 12)
     args.repeats = args.repeats or (2 if args.quick else 10)
@@ -212,13 +212,15 @@ def section(
 
     sha = str(meta["corpus_sha256"])
     command = "python -m benchmarks.transformers" + (" --quick" if args.quick else "")
+    length = "" if args.length == 1.0 else f" --length {args.length:g}"
     lengths = ", ".join(f"{s.name} {s.steps} steps" for s in settings)
     seeds = ", ".join(sorted({str(s.seeds) for s in settings}))
     lines = [
         f"{report.HEADER}: BNP on every attention projection (issue 24)\n",
         ("**QUICK MODE: tiny runs, the numbers mean nothing.** " if args.quick else "")
-        + f"Generated on its own by `{command} --device {args.device} --jobs {args.jobs}` on {meta['device_name']} "
-        f"(host: {os.cpu_count()} CPUs), torch {torch.__version__}, {args.jobs} worker processes with 1 thread "
+        + f"Generated on its own by `{command} --device {device} --jobs {meta['jobs']}{length}` on "
+        f"{meta['device_name']} (host: {meta['cpus']} CPUs), torch {meta['torch']}, {meta['jobs']} worker processes "
+        "with 1 thread "
         f"each; wall time {meta['seconds'] / 60:.1f} min ({len(results)} training runs). Plain torch loops with "
         "`BNPPreconditioner` at its defaults, which transforms every projection of both networks (patch "
         "embedding, q, k, v and `out_proj` of each `nn.MultiheadAttention`, both MLP layers, the head; not the "
@@ -240,7 +242,7 @@ def section(
         "chance: 10% accuracy, ln 256 = 5.55 nats), the test split only reports: mean [min–max] over the seeds "
         "at the chosen rate. A run whose training loss is not finite or above 1e3 stops and counts as diverged. "
         f"ms/step: median of {args.repeats} interleaved samples of each variant in one process on "
-        f"{meta['device_name']} after training (load average {meta['load']:.1f}).\n",
+        f"{meta['device_name']} after training (host load average {meta['load']:.1f}).\n",
         "### ViT on 28×28 MNIST digits\n",
     ]
     for s in (x for x in settings if x.task == "vit"):
@@ -299,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
             "device": args.device,
             "cache": cache,
             "device_name": device_name(device),
+            "jobs": args.jobs,
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
             "seconds": time.perf_counter() - start,
             "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"),
             "layers": managed_layers(),
