@@ -256,7 +256,7 @@ def section(
         "1 point (5 of the 500 test digits), or its mean final test loss by more than 0.02 nats/char; else "
         "*level*. A claim that holds in some settings and not in others is partly reproduced.\n",
         *(report.vit_verdicts({s: by_setting[s] for s in vit}) if vit else []),
-        *(report.lm_verdicts(lm, by_setting[lm]) if lm in by_setting else []),
+        *(report.lm_verdicts(lm, by_setting[lm], results, device, cache) if lm in by_setting else []),
         report.cost_line(ms, settings),
     ]
     if len(complete) < len(settings):
