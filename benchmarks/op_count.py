@@ -54,7 +54,8 @@ def count_step_ops(
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(inputs), targets).backward()
+        out = model(inputs)  # (N, classes), or (N, T, vocab) for a language model with (N, T) targets
+        nn.functional.cross_entropy(out.flatten(0, -2), targets.flatten()).backward()
         if pre is not None:
             pre.step()
         opt.step()

@@ -3,8 +3,10 @@
 Rows (the issue's table): the paper's FC 784-100×3 (Table 1) at batch 1, 16, 60, 256, 512; FC 784-1000×3 at
 1024; the 5-layer CNN on 3×32×32 at 2 and 128; the CIFAR ResNet-20 and ResNet-110 at 128 and torchvision's
 ResNet-50 on 3×64×64 at 64, each with GroupNorm (the baseline), BatchNorm, and BNP + GroupNorm; four
-pre-LayerNorm MLP blocks (d = 512, 4d hidden) on (32, 64, 512) tokens. Inputs are random: cost does not
-depend on the data.
+pre-LayerNorm MLP blocks (d = 512, 4d hidden) on (32, 64, 512) tokens; issue 24's two Transformers of
+``benchmarks.transformers`` (every projection preconditioned): the ViT without normalization (7×7 patches, d = 64,
+2 blocks) at batch 60 and the byte-level causal LM (d = 128, 2 blocks, LayerNorm, context 64) at batch 32, whose
+loss is per token (no Lightning loop). Inputs are random: cost does not depend on the data.
 
 Every (row, variant, mode, precision, loop) is timed in one process, round-robin over repeats with
 the order rotated each repeat, so that load from other processes lands on all alike; the median per
@@ -42,6 +44,7 @@ from torch import Tensor, nn
 
 from benchmarks.op_count import added_ops
 from example_projects.models import cifar_resnet, cnn5, fc_network
+from example_projects.transformers import VOCAB, CharLM, ViT
 from lightning_bnp import BatchNormPreconditioning
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
 
@@ -85,6 +88,7 @@ class Row:
     base: str  # the normalization of the baseline and of BNP's network: "none" or "gn"
     bn: bool = True  # a BatchNorm variant exists
     cpu: bool = True  # in the default CPU set
+    tokens: int = 0  # > 0: inputs are token ids in [0, tokens) and targets one per token (a language model)
 
 
 ROWS = (
@@ -95,6 +99,8 @@ ROWS = (
     Row("resnet110", "ResNet-110", (128,), (3, 32, 32), lambda n: cifar_resnet(110, 3, norm=n), "gn", cpu=False),
     Row("resnet50", "ResNet-50 64×64", (64,), (3, 64, 64), resnet50, "gn", cpu=False),
     Row("mlp", "pre-LN MLP ×4, d=512, 64 tokens", (32,), (64, 512), lambda n: PreLNBlocks(), "none", bn=False),
+    Row("vit", "ViT d=64 ×2, no norm, 28×28", (60,), (1, 28, 28), lambda n: ViT(norm="none"), "none", bn=False),
+    Row("charlm", "char-LM d=128 ×2 + LN, 64 tokens", (32,), (64,), lambda n: CharLM(), "none", bn=False, tokens=VOCAB),
 )
 
 
@@ -135,6 +141,14 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 
 def batches(row: Row, batch: int, device: torch.device, pool: int = 4) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(batch)
+    if row.tokens:
+        return [
+            (
+                torch.randint(row.tokens, (batch, *row.shape), generator=g).to(device),
+                torch.randint(row.tokens, (batch, *row.shape), generator=g).to(device),
+            )
+            for _ in range(pool)
+        ]
     return [
         (torch.randn(batch, *row.shape, generator=g).to(device), torch.randint(10, (batch,), generator=g).to(device))
         for _ in range(pool)
@@ -157,7 +171,8 @@ def plain_step(row: Row, batch: int, key: Key, device: torch.device) -> Step:
         x, y = data[next(count) % len(data)]
         opt.zero_grad(set_to_none=True)
         with autocast(device, key.precision):
-            loss = nn.functional.cross_entropy(forward(x), y)
+            out = forward(x)  # (N, classes), or (N, T, vocab) with (N, T) targets
+            loss = nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())
         loss.backward()
         if pre is not None:
             pre.step()
@@ -248,7 +263,11 @@ def op_counts(rows: list[Row]) -> dict[str, tuple[int, int]]:
     """(aten ops BNP adds per step, managed layers) per row, counted on CPU at batch 2."""
     counts = {}
     for row in rows:
-        x, y = torch.randn(2, *row.shape), torch.randint(10, (2,))
+        x, y = (
+            (torch.randint(row.tokens, (2, *row.shape)), torch.randint(row.tokens, (2, *row.shape)))
+            if row.tokens
+            else (torch.randn(2, *row.shape), torch.randint(10, (2,)))
+        )
         counts[row.key] = added_ops(lambda row=row: row.make(row.base), x, y)  # type: ignore[misc]
     return counts
 
@@ -388,6 +407,9 @@ def main() -> None:
                     for precision in args.precisions.split(","):
                         for loop in args.loops.split(","):
                             key = Key(row.key, batch, variant, mode, precision, loop)
+                            if loop == "lightning" and row.tokens:
+                                print(f"{row.key}: no Lightning loop (per-token loss), plain loop only")
+                                continue
                             if loop == "lightning":
                                 samplers[key] = lightning_sampler(row, batch, key, device)
                             else:

@@ -6,7 +6,8 @@ names ``lightning_bnp.BatchNormPreconditioning`` through its project's Lightning
 into the repository, and prints a Markdown table (also written to ``benchmarks/out/shipped_configs.md``): the
 data that ran, epochs and steps, the last training loss, the last validation accuracy and a verdict. A run
 *diverged* when its training loss is not finite or exceeds 1e3, or its final validation accuracy is at chance
-(≤ 15%). ``--max-epochs`` caps a config's ``trainer.max_epochs`` (for the 164-epoch ResNets on a CPU); every
+(≤ 15%; a language model, which logs no accuracy: its validation loss is no better than the uniform guess,
+ln 256). ``--max-epochs`` caps a config's ``trainer.max_epochs`` (for the 164-epoch ResNets on a CPU); every
 capped row says so. A config on several devices (``fsdp2``: 2 CPU processes) is fitted by this module run again in a
 subprocess on that one config (``--one``), since Lightning starts the other ranks by running the same command again.
 """
@@ -29,6 +30,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CHANCE_LIMIT = 0.15
+LM_CHANCE_LOSS = math.log(256)  # nats per byte of the uniform guess over the 256 byte values
 
 
 def bnp_configs() -> list[Path]:
@@ -74,11 +76,16 @@ def run(config: Path, max_epochs: int | None) -> dict[str, object]:
     seconds = time.perf_counter() - start
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     loss = metrics.get("train/loss", metrics.get("train/loss_epoch", math.nan))
-    val = metrics.get("val/acc", math.nan)
-    diverged = not math.isfinite(loss) or loss > 1e3 or not val > CHANCE_LIMIT
+    if "val/acc" in metrics or "val/loss" not in metrics:
+        val = metrics.get("val/acc", math.nan)
+        chance = not val > CHANCE_LIMIT
+    else:  # a language model (the transformer project's char-LM): validation loss against the uniform guess
+        val = metrics["val/loss"]
+        chance = not val < LM_CHANCE_LOSS
+    diverged = not math.isfinite(loss) or loss > 1e3 or chance
     return {
         "config": f"{project}/{config.stem}",
-        "data": cli.datamodule.dataset,
+        "data": getattr(cli.datamodule, "dataset", type(cli.datamodule).__name__),
         "epochs": f"{epochs} of {stated}" if epochs != stated else str(epochs),
         "steps": cli.trainer.global_step,
         "loss": loss,
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             os.chdir(here)
     lines = [
-        "| config | data | epochs | steps | last train loss | last val acc | verdict | minutes |",
+        "| config | data | epochs | steps | last train loss | last val acc (LM: val loss) | verdict | minutes |",
         "|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['config']} | {r['data']} | {r['epochs']} | {r['steps']} | {r['loss']:.3g} | {r['val']:.3f} | "

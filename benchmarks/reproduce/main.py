@@ -19,6 +19,7 @@ from benchmarks.reproduce import conv_statistics, convergence, cost, default_sta
 from benchmarks.reproduce.runs import Job, Run, task
 from benchmarks.reproduce.selection import choose
 from benchmarks.reproduce.settings import CONVERGENCE, KAPPA, QUICK_SEEDS, RESNET, WC, Setting, quick
+from benchmarks.transformers import report as transformers_report
 
 ROOT = Path(__file__).parents[1]
 SECTIONS = ("all", conv_statistics.NAME)  # what --sections can run alone
@@ -190,6 +191,10 @@ def main(argv: list[str] | None = None) -> None:
         f"\n---\nTraining runs: {len(results)} ({train_seconds / 60:.1f} min); timings: "
         f"{(seconds - train_seconds) / 60:.1f} min; total {seconds / 60:.1f} min.",
     ]
-    (args.out / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    path = args.out / "RESULTS.md"
+    # §7 (Transformers) comes from `python -m benchmarks.transformers` on its own machine: kept as it was
+    kept = transformers_report.extract(path.read_text()) if path.exists() else []
+    text = "\n".join(lines) + "\n"
+    path.write_text(transformers_report.splice(text, kept) if kept else text)
     print("\n".join(lines))
     print(f"wrote {args.out / 'RESULTS.md'} and {figures}/*.png in {seconds:.0f} s")

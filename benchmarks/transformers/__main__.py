@@ -1,0 +1,3 @@
+from benchmarks.transformers.main import main
+
+main()
