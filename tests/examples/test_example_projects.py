@@ -30,7 +30,14 @@ from tests.helpers import ACCELERATOR
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECTS = (
-    "fc_mnist", "cnn_cifar", "resnet_gn", "resnet_imagenet", "online", "weight_conditioning", "fsdp2", "transformer",
+    "fc_mnist",
+    "cnn_cifar",
+    "resnet_gn",
+    "resnet_imagenet",
+    "online",
+    "weight_conditioning",
+    "fsdp2",
+    "transformer",
 )
 CONFIGS = sorted(ROOT.glob("example_projects/*/configs/*.yaml"))
 # fast_dev_run only: CIFAR ResNet configs run at depth 8 (their own depth, 20 or 110, is checked by the print test),
