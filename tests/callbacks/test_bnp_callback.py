@@ -61,7 +61,7 @@ def test_callback_equals_plain_torch_loop(tmp_path: Path, make_net: Any) -> None
     assert_same_parameters(model.network, reference, **EXACT)
     assert bnp.preconditioner is not None
     for name, layer in pre.layers.items():
-        torch.testing.assert_close(bnp.preconditioner.layers[f"network.{name}"].running.var, layer.running.var)
+        torch.testing.assert_close(bnp.preconditioner.layers[f"network.{name}"].running.var.cpu(), layer.running.var)
 
 
 def test_gradient_accumulation_equals_the_large_batch(tmp_path: Path) -> None:
