@@ -95,6 +95,9 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         compile_step: run the tensor work of every step (statistics update and gradient transform) as one
             ``torch.compile(fullgraph=True)`` graph (:meth:`BNPPreconditioner.compile_step`); for models that
             are compiled themselves (the example projects turn it on with ``--model.compile=true``).
+        embeddings: also precondition every ``nn.Embedding`` (a bias-free Linear on one-hot inputs: σ² each
+            token's frequency, q² = max(V/N, 1); ``padding_idx`` positions not counted). Off by default; in
+            YAML ``embeddings: true``. README "Embeddings".
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
@@ -109,7 +112,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         trainer = Trainer(callbacks=[BatchNormPreconditioning()])
     """
 
-    _repr_if_set = ("conv_statistics", "compile_step")
+    _repr_if_set = ("conv_statistics", "compile_step", "embeddings")
 
     def __init__(
         self,
@@ -126,6 +129,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         verbose: bool = True,
         conv_statistics: Literal["channel", "column"] = "channel",
         compile_step: bool = False,
+        embeddings: bool = False,
     ) -> None:
         self.compile_step = check_bool("compile_step", compile_step)
         self.layer_types, include, exclude = validate_bnp_arguments(
@@ -139,7 +143,9 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             exclude=exclude,
             sync_statistics=sync_statistics,
             conv_statistics=conv_statistics,
+            embeddings=embeddings,
         )
+        self.embeddings = embeddings
         self.rho, self.eps1, self.eps2 = rho, eps1, eps2
         self.conv_statistics: Literal["channel", "column"] = conv_statistics
         self.statistics: Literal["running", "batch"] = statistics
@@ -186,6 +192,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
                 exclude=self.exclude,
                 sync_statistics=self.sync_statistics,
                 conv_statistics=self.conv_statistics,
+                embeddings=self.embeddings,
             )
             self._model = pl_module
             if self.verbose:

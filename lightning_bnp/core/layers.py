@@ -128,11 +128,16 @@ def make_layers(
     statistic per im2col column (input channel, kernel offset) instead of one per input channel.
 
     Raises:
-        ValueError: two modules share a weight but not their bias (P couples a weight with its bias).
+        ValueError: two modules share a weight but not their bias (P couples a weight with its bias), two
+            modules of different kinds share a weight (its gradient would be transformed twice, e.g. a tied
+            embedding and output layer), or a kind refuses a module's form (:meth:`LayerKind.refuse`).
     """
     layers: dict[tuple[int, str], _Layer] = {}
     for name, (module, kind) in selected.items():
         kind = kind.configure(conv_statistics=conv_statistics)
+        refused = kind.refuse(module)
+        if refused is not None:
+            raise ValueError(f"BNP layer {name!r} ({type(module).__name__}): {refused}")
         key = (id(kind.weight(module)), kind.name)
         if key not in layers:
             layers[key] = _make_layer(name, module, kind, rho, bias_correction)
@@ -145,6 +150,17 @@ def make_layers(
                 f"Exclude one of them with `exclude`, e.g. exclude=[{name!r}]."
             )
         layer.tied[name] = module
+    fed: dict[int, _Layer] = {}
+    for layer in layers.values():  # one weight fed by several kinds: only as row blocks of one module (q, k, v)
+        other = fed.setdefault(id(layer.weight), layer)
+        if other.module is not layer.module:
+            raise ValueError(
+                f"layers {other.name!r} ({other.kind.name}) and {layer.name!r} ({layer.kind.name}) share one weight "
+                "but are different kinds of layer (e.g. an embedding tied to the output layer): BNP would transform "
+                "the shared gradient twice, with two different P. Manage one of them: "
+                f"exclude=[{layer.name!r}] or exclude=[{other.name!r}]"
+                + (" (or embeddings=False)." if "Embedding" in (layer.kind.name, other.kind.name) else ".")
+            )
     managed = {id(layer.weight): layer.name for layer in layers.values()}
     modules = {id(m) for layer in layers.values() for m in layer.modules.values()}
     modules |= {id(c) for layer in layers.values() for m in layer.modules.values() for c in layer.kind.claims(m)}

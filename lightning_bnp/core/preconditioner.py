@@ -66,7 +66,7 @@ from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.attention import capturing, stop_capturing
 from lightning_bnp.core.copies import register_forward_hook, register_forward_pre_hook
 from lightning_bnp.core.coverage import Coverage, coverage
-from lightning_bnp.core.kinds import layer_kinds, select_layer_kinds
+from lightning_bnp.core.kinds import EMBEDDING, layer_kinds, select_layer_kinds
 from lightning_bnp.core.layers import NO_LEAF, BNPWarning, StepTransform, _Layer, make_layers
 from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.reparametrization import manageable, unsupported
@@ -105,6 +105,7 @@ def validate_bnp_arguments(
     exclude: Sequence[str] | str | None = None,
     sync_statistics: bool = True,
     conv_statistics: str = "channel",
+    embeddings: bool = False,
 ) -> tuple[list[str], list[str] | None, list[str] | None]:
     """Shared constructor checks; messages name the argument and the value.
 
@@ -122,6 +123,7 @@ def validate_bnp_arguments(
     check_bool("bias_correction", bias_correction)
     check_bool("sync_statistics", sync_statistics)
     check_choice("conv_statistics", conv_statistics, ("channel", "column"))
+    check_bool("embeddings", embeddings)
     return (
         validate_layer_types(layer_types, layer_kinds()),
         check_patterns("include", include),
@@ -292,6 +294,8 @@ def _step_math(
         q2_out = torch.where(counts[:, 0] > 0, q2, 1.0).to(mu.dtype)
         q2_flat, q2s = q2_out.index_select(0, layout.owner), list(q2_out.unbind(0))
         mu, var_t = torch.where(ran, mu, 0.0), torch.where(ran, var_t, 1.0)
+        # no rank ran it (or it saw no row, e.g. an embedding fed only padding): nothing was not finite
+        peak = torch.where(counts[:, 0] > 0, peak, 0.0)
     assert q2_flat is not None
     mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
     scales = layout.split(var_t * q2_flat)  # q²σ̃², all layers in one product
@@ -370,11 +374,15 @@ class BNPPreconditioner(ArgumentsRepr):
             implementation of Alg. 3) or exactly per im2col column, one per input channel and kernel offset
             over the patches that offset sees, padding included (``"column"``, eqs. 19–20: Alg. 2 applied
             to the unfolded input, with Alg. 3's q² = max(c_in·k²/N, √(r·s))). README "What it computes".
+        embeddings: also manage every ``nn.Embedding`` (the ``"Embedding"`` layer kind, which naming it in
+            ``layer_types`` selects as well): a bias-free Linear on one-hot inputs, σ² each token's frequency,
+            q² = max(V/N, 1) (README "Embeddings"). Off by default.
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
         ValueError: an argument outside its range or not finite, a pattern that matches no layer,
-            two selected layers that share a weight but not their bias, an uninitialised lazy layer, or
+            two selected layers that share a weight but not their bias (or of different kinds: a tied embedding
+            and output layer), a ``sparse=True`` embedding, an uninitialised lazy layer, or
             no layer left once the reparametrized ones BNP cannot follow are left alone (README
             "Reparametrized layers"; each of those gets a ``BNPWarning``).
         RuntimeError: a layer is already managed by another attached preconditioner.
@@ -404,6 +412,7 @@ class BNPPreconditioner(ArgumentsRepr):
         sync_statistics: bool = True,
         process_group: Any = None,
         conv_statistics: ConvStatistics = "channel",
+        embeddings: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
@@ -418,14 +427,18 @@ class BNPPreconditioner(ArgumentsRepr):
             exclude=exclude,
             sync_statistics=sync_statistics,
             conv_statistics=conv_statistics,
+            embeddings=embeddings,
         )
         self.rho, self.eps1, self.eps2 = rho, eps1, eps2
+        self.embeddings = embeddings
         self.conv_statistics = conv_statistics
         self.layer_types, self.include, self.exclude = layer_types, include, exclude
         self.statistics = statistics
         self.bias_correction = bias_correction
         self.sync_statistics = sync_statistics
         self.process_group = process_group
+        if embeddings and EMBEDDING not in layer_types:
+            layer_types = [*layer_types, EMBEDDING]
         chosen = select_layer_kinds(model, layer_types, include, exclude)
         kept = manageable({name: module for name, (module, _) in chosen.items()}, BNPWarning)
         selected = {name: chosen[name] for name in kept}
@@ -449,7 +462,7 @@ class BNPPreconditioner(ArgumentsRepr):
         self.attach()
 
     _repr_skip = ("model",)
-    _repr_if_set = ("conv_statistics",)
+    _repr_if_set = ("conv_statistics", "embeddings")
 
     def _repr_extra(self) -> list[str]:
         return [f"layers={list(self.layers)!r}", f"attached={self.attached}"]

@@ -37,6 +37,7 @@ __all__ = [
     "feature_moments",
     "moments_of_input",
     "statistics_dtype",
+    "token_moments",
 ]
 
 
@@ -175,6 +176,35 @@ def feature_moments(h: Tensor) -> Moments:
     x = h.reshape(-1, h.shape[-1])
     mean, var = _per_channel_mean_var(x)
     return Moments(x.shape[0], x.shape[0], x.shape[0], mean, var)
+
+
+def token_moments(tokens: Tensor, vocabulary: int, padding_idx: int | None, dtype: torch.dtype) -> Moments:
+    """Statistics of an embedding's input seen as the one-hot rows it selects (issue 24, item 4), without
+    building them: per token j of the ``vocabulary``, the mean of one-hot column j is the token's frequency
+    p_j = c_j / N and its biased variance p_j(1 − p_j), from the per-token counts c_j (one ``index_add_``:
+    static shape, no host read, traceable by ``torch.compile``; ``bincount`` reads its maximum back on CUDA).
+    N is every index of ``tokens`` (any shape), each one row.
+
+    ``padding_idx``: positions holding it are not tokens (torch gives the padding row no gradient and a
+    constant output): they are left out of N and of every frequency, so μ, σ² and q² are those of the real
+    tokens. N then depends on the data and stays on the device (a float64 0-dim tensor, as counts pooled over
+    ranks are: the step builds q² there).
+    """
+    flat = tokens.detach().reshape(-1)
+    if flat.numel() == 0:
+        return Moments.empty(vocabulary, tokens.device, dtype)
+    counts = torch.zeros(vocabulary, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones((), dtype=torch.int64, device=flat.device).expand(flat.shape))
+    rows: int | Tensor
+    if padding_idx is None:
+        rows = flat.numel()
+        mean = counts.to(dtype) / rows  # exact counts; the division rounds once, as a column mean of ones does
+    else:
+        counts[padding_idx] = 0
+        rows = counts.sum().to(torch.float64)
+        mean = counts.to(dtype) / rows.clamp_min(1.0).to(dtype)  # no real token: μ = σ² = 0 and N = 0
+    var = torch.addcmul(mean, mean, mean, value=-1.0)  # p(1 − p); the step adds μ² back (bias-free: E[h²] = p)
+    return Moments(rows, rows, rows, mean, var)
 
 
 def column_moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
