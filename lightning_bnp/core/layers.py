@@ -122,6 +122,7 @@ def make_layers(
     rho: float,
     bias_correction: bool,
     conv_statistics: str = "channel",
+    decay_offset: float = 0.0,
 ) -> dict[str, _Layer]:
     """One :class:`_Layer` per distinct (weight, kind) of the ``selected`` modules: modules sharing a weight are
     one layer (pooled like one module called twice). ``conv_statistics="column"``: convolutions keep one
@@ -140,7 +141,7 @@ def make_layers(
             raise ValueError(f"BNP layer {name!r} ({type(module).__name__}): {refused}")
         key = (id(kind.weight(module)), kind.name)
         if key not in layers:
-            layers[key] = _make_layer(name, module, kind, rho, bias_correction)
+            layers[key] = _make_layer(name, module, kind, rho, bias_correction, decay_offset)
             continue
         layer = layers[key]
         if kind.bias(module) is not layer.bias:
@@ -181,10 +182,14 @@ def make_layers(
     return {layer.name: layer for layer in layers.values()}
 
 
-def _make_layer(name: str, module: nn.Module, kind: LayerKind, rho: float, bias_correction: bool) -> _Layer:
+def _make_layer(
+    name: str, module: nn.Module, kind: LayerKind, rho: float, bias_correction: bool, decay_offset: float
+) -> _Layer:
     weight = kind.weight(module)  # shape and dtype only
     features = kind.features(module)
     dtype = statistics_dtype(weight.dtype)
-    running = RunningStatistics(features, rho=rho, bias_correction=bias_correction, device=weight.device, dtype=dtype)
+    running = RunningStatistics(
+        features, rho=rho, bias_correction=bias_correction, device=weight.device, dtype=dtype, decay_offset=decay_offset
+    )
     has_bias = kind.bias(module) is not None
     return _Layer(name, module, has_bias, kind.groups(module), kind.fan_in(module), features, running, kind)

@@ -238,7 +238,9 @@ def _step_math(
     """The tensor work of one step for a group of layers (Alg. 2/3 steps 1–5), without a single read back to
     the host, and traceable whole by ``torch.compile(fullgraph=True)``.
 
-    The running state is one vector ``[m ; v ; d]`` (d = ρ^t per layer) with step counts ``steps_before``.
+    The running state is one vector ``[m ; v ; d]`` (d = ρ^t + κ per layer, κ = ε2/(1 + ε1) in the paper's view
+    and 0 with bias correction: :class:`~lightning_bnp.core.statistics.RunningStatistics`) with step counts
+    ``steps_before``.
     ``counts``: (rows, samples, out positions) per layer when they were pooled over ranks (then q² is built
     here, and a layer that no rank ran keeps its state and gets M = I); else ``q2_flat`` and ``q2s`` are given.
 
@@ -247,8 +249,8 @@ def _step_math(
         the gradients are transformed in place.
     """
     total = layout.total
-    # [μ_H ; σ²_H ; 0] of every layer (0: the batch value of d = ρ^t, so that d ← ρ·d in the same update)
-    batch = torch.cat(means + variances + ([layout.zeros] if config.running else []))
+    # [μ_H ; σ²_H ; κ] of every layer (κ: the batch value of d = ρ^t + κ, so that d − κ ← ρ·(d − κ) in the same update)
+    batch = torch.cat(means + variances + ([layout.decay_target] if config.running else []))
     mu_h, var_h = batch[:total], batch[total : 2 * total]
     for i, running_mu in zip(config.one_row, running_mus):  # N = 1: σ²_H = (h − μ)², μ before the update
         part = layout.slice(i)
@@ -272,7 +274,7 @@ def _step_math(
         after = steps = peak
     else:
         assert before is not None and steps_before is not None
-        after = ema_update(before, batch, config.rho)  # [m ; v ; d] ← ρ[m ; v ; d] + (1−ρ)[μ_H ; σ²_H ; 0]
+        after = ema_update(before, batch, config.rho)  # [m ; v ; d] ← ρ[m ; v ; d] + (1−ρ)[μ_H ; σ²_H ; κ]
         # a layer whose moments are not finite keeps its state (and step count): P uses what was stored
         finite = torch.eq(peak, peak)
         after = torch.where(finite.index_select(0, layout.state_owner), after, before)
@@ -282,9 +284,9 @@ def _step_math(
             scale = torch.reciprocal(1.0 - decay).index_select(0, layout.owner)
             mu, var = mean_acc * scale, var_acc * scale
             var_t = var_tilde(var, config.eps1, config.eps2, maxima=layout.layer_max(var))
-        else:  # the paper's view σ² = v + ρ^t; σ̃² = σ² + ε1·max σ² + ε2 = v + ε1·(max v + d·(1 + ε1)/ε1 + ε2/ε1)
+        else:  # the paper's view σ² = v + ρ^t; σ̃² = σ² + ε1·max σ² + ε2 = v + ε1·(max v + ρ^t·(1 + ε1)/ε1 + ε2/ε1)
+            # = v + ε1·(max v + d·(1 + ε1)/ε1) with d = ρ^t + ε2/(1 + ε1): the ε2 term rides in d (one op less)
             floor = torch.add(layout.segment_max(var_acc), decay, alpha=(1.0 + config.eps1) / config.eps1)
-            floor.add_(config.eps2 / config.eps1)
             mu, var_t = mean_acc, torch.add(var_acc, floor.index_select(0, layout.owner), alpha=config.eps1)
     q2_out = peak
     if counts is not None:
@@ -442,8 +444,15 @@ class BNPPreconditioner(ArgumentsRepr):
         chosen = select_layer_kinds(model, layer_types, include, exclude)
         kept = manageable({name: module for name, (module, _) in chosen.items()}, BNPWarning)
         selected = {name: chosen[name] for name in kept}
+        # the paper's view folds ε2 into the running ρ^t: decay = ρ^t + ε2/(1 + ε1) (_step_math's σ̃² floor)
+        self._decay_offset = 0.0 if bias_correction else eps2 / (1.0 + eps1)
         self.layers: dict[str, _Layer] = make_layers(
-            model, selected, rho=rho, bias_correction=bias_correction, conv_statistics=conv_statistics
+            model,
+            selected,
+            rho=rho,
+            bias_correction=bias_correction,
+            conv_statistics=conv_statistics,
+            decay_offset=self._decay_offset,
         )
         self._layer_list = list(self.layers.values())
         self.coverage: Coverage = coverage(model, self._layer_list, layer_types, include, exclude)
@@ -838,7 +847,7 @@ class BNPPreconditioner(ArgumentsRepr):
                 self._layouts.pop(next(iter(self._layouts)))
             sizes = [layer.features for layer in layers]
             layout = self._layouts[key] = FeatureLayout(
-                sizes, [layer.has_bias for layer in layers], like.device, like.dtype
+                sizes, [layer.has_bias for layer in layers], like.device, like.dtype, self._decay_offset
             )
         return layout
 

@@ -339,11 +339,17 @@ class RunningStatistics:
     ``σ² − ρ^t`` in float32 when the true variance is small. Before the first update both views
     are the paper's initial values μ = 0, σ² = 1.
 
+    ρ^t is kept on the device as :attr:`decay` = ρ^t + κ, a constant ``decay_offset`` κ added: the step updates
+    it with the accumulators, ``decay ← ρ·decay + (1 − ρ)·κ``, and the paper's view folds ε2 into it
+    (κ = ε2/(1 + ε1), so that its σ̃² floor takes one op less per step: ``preconditioner._step_math``).
+
     Args:
         features: length of μ and σ².
         rho: ρ ∈ [0, 1).
         bias_correction: use the bias-corrected view.
         device: where the accumulators live.
+        dtype: the statistics' dtype.
+        decay_offset: κ ≥ 0 (0 by default: :attr:`decay` is ρ^t).
     """
 
     def __init__(
@@ -354,13 +360,15 @@ class RunningStatistics:
         bias_correction: bool,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        decay_offset: float = 0.0,
     ) -> None:
         self.rho = rho
         self.bias_correction = bias_correction
+        self.decay_offset = decay_offset
         self.mean_acc = torch.zeros(features, dtype=dtype, device=device)
         self.var_acc = torch.zeros(features, dtype=dtype, device=device)
-        # ρ^t, kept on the device next to the accumulators (the step updates it with them, d ← ρ·d)
-        self.decay = torch.ones(1, dtype=dtype, device=device)
+        # ρ^t + κ, kept on the device next to the accumulators (the step updates it with them)
+        self.decay = torch.full((1,), 1.0 + decay_offset, dtype=dtype, device=device)
         self._steps: int | Tensor = 0  # t: a host int, or a (1,) int64 tensor that the step counts on the device
 
     @property
@@ -373,7 +381,8 @@ class RunningStatistics:
     @steps.setter
     def steps(self, steps: int) -> None:
         self._steps = steps
-        self.decay = torch.full((1,), self.rho**steps, dtype=self.mean_acc.dtype, device=self.mean_acc.device)
+        decay = self.rho**steps + self.decay_offset
+        self.decay = torch.full((1,), decay, dtype=self.mean_acc.dtype, device=self.mean_acc.device)
 
     def view_coefficients(self, steps: int) -> tuple[float, float]:
         """(scale, shift) with μ = scale·m_t and σ² = scale·v_t + shift, for t ≥ 1."""
@@ -400,7 +409,7 @@ class RunningStatistics:
         """μ of the configured view computed on the device from ρ^t (no read of t; 0 before any update)."""
         if not self.bias_correction:
             return self.mean_acc  # μ = m, and m = 0 before any update
-        return self.mean_acc / (1.0 - self.decay).clamp_min(torch.finfo(self.decay.dtype).tiny)
+        return self.mean_acc / ((1.0 + self.decay_offset) - self.decay).clamp_min(torch.finfo(self.decay.dtype).tiny)
 
     @property
     def mu(self) -> Tensor:
@@ -415,7 +424,7 @@ class RunningStatistics:
         return ema_update(self.mean_acc, mu_h, self.rho), ema_update(self.var_acc, var_h, self.rho), self.steps + 1
 
     def assign(self, mean_acc: Tensor, var_acc: Tensor, steps: int | Tensor, decay: Tensor | None = None) -> None:
-        """Store an accumulator state; ``steps`` and ``decay`` (ρ^t, shape (1,)) may be device tensors."""
+        """Store an accumulator state; ``steps`` and ``decay`` (ρ^t + κ, shape (1,)) may be device tensors."""
         if decay is None:
             assert isinstance(steps, int)
             self.mean_acc, self.var_acc, self.steps = mean_acc, var_acc, steps
@@ -432,12 +441,13 @@ class RunningStatistics:
                 self._steps = self._steps.to(device)
 
     def state_dict(self) -> dict[str, object]:
-        # ρ^t as the steps computed it (d ← ρ·d in the statistics' dtype), so that a resumed run is bit-identical
+        # ρ^t + κ as the steps computed it (in the statistics' dtype), so that a resumed run is bit-identical
         return {
             "mean_acc": self.mean_acc.cpu().clone(),
             "var_acc": self.var_acc.cpu().clone(),
             "steps": self.steps,
             "decay": self.decay.cpu().clone(),
+            "decay_offset": self.decay_offset,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -454,6 +464,9 @@ class RunningStatistics:
         self.steps = int(state["steps"])  # type: ignore[call-overload]  # sets ρ^t too
         decay = state.get("decay")  # absent from states saved before issue 28: ρ^t from t
         if isinstance(decay, Tensor):
+            offset = float(state.get("decay_offset", 0.0))  # type: ignore[arg-type]  # 0: saved before it existed
+            if offset != self.decay_offset:  # saved under other settings: ρ^t + κ with this κ
+                decay = decay.double() - offset + self.decay_offset
             self.decay = decay.to(device=device, dtype=dtype).reshape(1).clone()
 
 
