@@ -194,10 +194,10 @@ def test_callback_on_multihead_attention_equals_the_four_linear_twin(
 class BagOfTokens(nn.Module):
     """Token embeddings (``nn.Embedding``, or its bias-free one-hot Linear twin), mean over positions, a head."""
 
-    def __init__(self, one_hot: bool = False, seed: int = 0) -> None:
+    def __init__(self, one_hot: bool = False, seed: int = 0, padding_idx: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.emb: nn.Module = nn.Embedding(13, 6)
+        self.emb: nn.Module = nn.Embedding(13, 6, padding_idx=padding_idx)
         self.head = nn.Linear(6, 3)
         if one_hot:
             weight = self.emb.weight.detach().t().clone()  # type: ignore[union-attr]
