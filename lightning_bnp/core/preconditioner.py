@@ -472,6 +472,9 @@ class BNPPreconditioner(ArgumentsRepr):
 
     _repr_skip = ("model",)
     _repr_if_set = ("conv_statistics", "embeddings")
+    # class defaults for an object pickled before these existed (its running ρ^t has no offset)
+    embeddings = False
+    _decay_offset = 0.0
 
     def _repr_extra(self) -> list[str]:
         return [f"layers={list(self.layers)!r}", f"attached={self.attached}"]

@@ -352,6 +352,8 @@ class RunningStatistics:
         decay_offset: κ ≥ 0 (0 by default: :attr:`decay` is ρ^t).
     """
 
+    decay_offset: float = 0.0  # (class default: an object pickled before κ existed holds plain ρ^t)
+
     def __init__(
         self,
         features: int,
