@@ -104,6 +104,9 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         compile_step: run the tensor work of every step (statistics update and gradient transform) as one
             ``torch.compile(fullgraph=True)`` graph (:meth:`BNPPreconditioner.compile_step`); for models that
             are compiled themselves (the example projects turn it on with ``--model.compile=true``).
+        embeddings: also precondition every ``nn.Embedding`` (a bias-free Linear on one-hot inputs: σ² each
+            token's frequency, q² = max(V/N, 1); ``padding_idx`` positions not counted). Off by default; in
+            YAML ``embeddings: true``. README "Embeddings".
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
@@ -118,7 +121,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         trainer = Trainer(callbacks=[BatchNormPreconditioning()])
     """
 
-    _repr_if_set = ("conv_statistics", "compile_step", "token_mask", "token_mask_layers")
+    _repr_if_set = ("conv_statistics", "compile_step", "embeddings", "token_mask", "token_mask_layers")
 
     def __init__(
         self,
@@ -135,6 +138,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         verbose: bool = True,
         conv_statistics: Literal["channel", "column"] = "channel",
         compile_step: bool = False,
+        embeddings: bool = False,
         token_mask: Union[str, Callable[[Any], Optional[Tensor]], None] = None,
         token_mask_layers: Union[list[str], str, None] = None,
     ) -> None:
@@ -156,7 +160,9 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             exclude=exclude,
             sync_statistics=sync_statistics,
             conv_statistics=conv_statistics,
+            embeddings=embeddings,
         )
+        self.embeddings = embeddings
         self.rho, self.eps1, self.eps2 = rho, eps1, eps2
         self.conv_statistics: Literal["channel", "column"] = conv_statistics
         self.statistics: Literal["running", "batch"] = statistics
@@ -203,6 +209,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
                 exclude=self.exclude,
                 sync_statistics=self.sync_statistics,
                 conv_statistics=self.conv_statistics,
+                embeddings=self.embeddings,
             )
             self._model = pl_module
             if self.verbose:

@@ -5,9 +5,10 @@ A weight matrix is a parameter with two or more dimensions. :func:`coverage` sor
 reason a user can act on: a layer type BNP does not know (naming the module class; teach it with
 :func:`~lightning_bnp.core.kinds.register_layer_kind`), a type left out of ``layer_types``, a name that
 ``include``/``exclude`` dropped (also some row blocks of a packed weight), a frozen weight, a parametrization
-BNP does not follow, an embedding or positional parameter. A Linear whose parent calls ``F.linear`` with its
-weight is transformed when its parent is known (:mod:`lightning_bnp.core.attention`); for an unknown parent
-that cannot be seen before a forward runs, and the first step warns naming the layer.
+BNP does not follow, an embedding left out (``embeddings=False``) or a positional parameter. A Linear whose
+parent calls ``F.linear`` with its weight is transformed when its parent is known
+(:mod:`lightning_bnp.core.attention`); for an unknown parent that cannot be seen before a forward runs, and the
+first step warns naming the layer.
 """
 
 from __future__ import annotations
@@ -110,9 +111,11 @@ def _reason(
     why = unsupported(owner)
     if why is not None:  # README "Reparametrized layers"
         return f"left alone: {why}"
-    if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)):
-        return f"embedding ({type(owner).__name__}: not a layer kind BNP manages)"
     kinds = kinds_of(owner, known)
+    if isinstance(owner, nn.Embedding) and not any(k in selected_kinds for k in kinds):
+        return "embedding (embeddings=False)"
+    if isinstance(owner, nn.EmbeddingBag):
+        return f"embedding ({type(owner).__name__}: not a layer kind BNP manages)"
     parameter = owner._parameters.get(attr)
     fed = parameter is not None and any(_weight_of(k, owner) is parameter for k in kinds)
     if not fed and any(word in attr.lower() for word in ("pos", "embed", "token")):

@@ -42,12 +42,15 @@ from lightning_bnp.core.statistics import (
     feature_moments,
     masked_feature_moments,
     moments_of_input,
+    statistics_dtype,
+    token_moments,
 )
 from lightning_bnp.core.validation import check_patterns
 
 __all__ = [
     "LINEAR_FAMILY",
     "ConvNdKind",
+    "EmbeddingKind",
     "LayerKind",
     "LinearKind",
     "TransformersConv1DKind",
@@ -140,6 +143,11 @@ class LayerKind:
         """Submodules whose weight this kind feeds in their place (their own kinds then leave them alone), e.g.
         a Linear its parent uses through ``F.linear``. None by default."""
         return ()
+
+    def refuse(self, module: nn.Module) -> str | None:
+        """Why BNP cannot manage this module in its current form (then selecting it is an error naming the
+        layer), or ``None`` (the default)."""
+        return None
 
     def weight(self, module: nn.Module) -> Tensor:
         """The trainable weight leaf (``parametrizations.<name>.original`` under ``torch.nn.utils.parametrize``)."""
@@ -272,6 +280,61 @@ class TransformersConv1DKind(LayerKind):
     fan_in = features
 
 
+EMBEDDING = "Embedding"
+
+
+class EmbeddingKind(LayerKind):
+    """``nn.Embedding`` (issue 24, item 4): ``out = weight[x]`` is ``onehot(x) @ weight``, a bias-free linear
+    layer on one-hot inputs whose weight is stored (in, out) = (num_embeddings, embedding_dim). BNP's rows are
+    the columns of ``weight`` (:meth:`rows` is ``weight.t()``), its input features the vocabulary, so Alg. 2
+    applies as it does to ``nn.Linear(num_embeddings, embedding_dim, bias=False)`` with weight ``weight.t()``:
+    σ² is the uncentred second moment of a one-hot column, the token's frequency, and q² = max(V/N, 1) with
+    N the tokens of the step. The one-hot matrix is never built (:func:`~lightning_bnp.core.statistics.
+    token_moments`). Not in the default ``layer_types``: ``BNPPreconditioner(model, embeddings=True)``.
+
+    ``padding_idx`` positions are not counted (their row gets no gradient; μ, σ², N are the real tokens');
+    ``sparse=True`` is refused (its gradient is a sparse tensor); ``max_norm`` renormalizes the looked-up rows
+    of the stored weight in place during the forward, and BNP transforms the gradient of the weight that
+    forward used, as for any layer (README "Embeddings").
+    """
+
+    name = EMBEDDING
+    module_type = nn.Embedding
+    bias_name = None
+    weight = staticmethod(weight_leaf)
+
+    def refuse(self, module: nn.Module) -> str | None:
+        if module.sparse:
+            return (
+                "sparse=True gives a sparse gradient (only the looked-up rows), which BNP does not transform; "
+                "use sparse=False, or leave the embedding to the optimizer (embeddings=False, or `exclude` it)"
+            )
+        return None
+
+    def rows(self, module: nn.Module, weight: Tensor) -> Tensor:
+        return weight.t()
+
+    def features(self, module: nn.Module) -> int:
+        return int(module.num_embeddings)  # type: ignore[arg-type]
+
+    fan_in = features
+
+    def moments(self, module: nn.Module, h: Tensor, output: Any) -> Moments:
+        dtype = statistics_dtype(output.dtype)  # float32 (float64 for a float64 model): h holds indices
+        return token_moments(h, int(module.num_embeddings), module.padding_idx, dtype)  # type: ignore[arg-type]
+
+    def token_rows(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], h: Tensor, mask: Tensor
+    ) -> Tensor | None:
+        """The input holds one token per position: a (B, T) batch of indices takes the (B, T) mask itself."""
+        return mask if mask.shape == h.shape else None
+
+    def masked_moments(self, module: nn.Module, h: Tensor, output: Any, real: Tensor) -> Moments:
+        """The masked-out positions are not tokens (as ``padding_idx`` positions are not)."""
+        dtype = statistics_dtype(output.dtype)
+        return token_moments(h, int(module.num_embeddings), module.padding_idx, dtype, real)  # type: ignore[arg-type]
+
+
 _REGISTRY: dict[str, LayerKind] = {}
 
 
@@ -390,6 +453,7 @@ for _kind in (
     ConvNdKind("Conv2d", nn.Conv2d),
     ConvNdKind("Conv3d", nn.Conv3d),
     TransformersConv1DKind(),
+    EmbeddingKind(),
 ):
     register_layer_kind(_kind)
 import lightning_bnp.core.attention  # noqa: E402, F401  (registers nn.MultiheadAttention's and F.linear kinds)

@@ -122,20 +122,26 @@ def make_layers(
     rho: float,
     bias_correction: bool,
     conv_statistics: str = "channel",
+    decay_offset: float = 0.0,
 ) -> dict[str, _Layer]:
     """One :class:`_Layer` per distinct (weight, kind) of the ``selected`` modules: modules sharing a weight are
     one layer (pooled like one module called twice). ``conv_statistics="column"``: convolutions keep one
     statistic per im2col column (input channel, kernel offset) instead of one per input channel.
 
     Raises:
-        ValueError: two modules share a weight but not their bias (P couples a weight with its bias).
+        ValueError: two modules share a weight but not their bias (P couples a weight with its bias), two
+            modules of different kinds share a weight (its gradient would be transformed twice, e.g. a tied
+            embedding and output layer), or a kind refuses a module's form (:meth:`LayerKind.refuse`).
     """
     layers: dict[tuple[int, str], _Layer] = {}
     for name, (module, kind) in selected.items():
         kind = kind.configure(conv_statistics=conv_statistics)
+        refused = kind.refuse(module)
+        if refused is not None:
+            raise ValueError(f"BNP layer {name!r} ({type(module).__name__}): {refused}")
         key = (id(kind.weight(module)), kind.name)
         if key not in layers:
-            layers[key] = _make_layer(name, module, kind, rho, bias_correction)
+            layers[key] = _make_layer(name, module, kind, rho, bias_correction, decay_offset)
             continue
         layer = layers[key]
         if kind.bias(module) is not layer.bias:
@@ -145,6 +151,17 @@ def make_layers(
                 f"Exclude one of them with `exclude`, e.g. exclude=[{name!r}]."
             )
         layer.tied[name] = module
+    fed: dict[int, _Layer] = {}
+    for layer in layers.values():  # one weight fed by several kinds: only as row blocks of one module (q, k, v)
+        other = fed.setdefault(id(layer.weight), layer)
+        if other.module is not layer.module:
+            raise ValueError(
+                f"layers {other.name!r} ({other.kind.name}) and {layer.name!r} ({layer.kind.name}) share one weight "
+                "but are different kinds of layer (e.g. an embedding tied to the output layer): BNP would transform "
+                "the shared gradient twice, with two different P. Manage one of them: "
+                f"exclude=[{layer.name!r}] or exclude=[{other.name!r}]"
+                + (" (or embeddings=False)." if "Embedding" in (layer.kind.name, other.kind.name) else ".")
+            )
     managed = {id(layer.weight): layer.name for layer in layers.values()}
     modules = {id(m) for layer in layers.values() for m in layer.modules.values()}
     modules |= {id(c) for layer in layers.values() for m in layer.modules.values() for c in layer.kind.claims(m)}
@@ -165,10 +182,14 @@ def make_layers(
     return {layer.name: layer for layer in layers.values()}
 
 
-def _make_layer(name: str, module: nn.Module, kind: LayerKind, rho: float, bias_correction: bool) -> _Layer:
+def _make_layer(
+    name: str, module: nn.Module, kind: LayerKind, rho: float, bias_correction: bool, decay_offset: float
+) -> _Layer:
     weight = kind.weight(module)  # shape and dtype only
     features = kind.features(module)
     dtype = statistics_dtype(weight.dtype)
-    running = RunningStatistics(features, rho=rho, bias_correction=bias_correction, device=weight.device, dtype=dtype)
+    running = RunningStatistics(
+        features, rho=rho, bias_correction=bias_correction, device=weight.device, dtype=dtype, decay_offset=decay_offset
+    )
     has_bias = kind.bias(module) is not None
     return _Layer(name, module, has_bias, kind.groups(module), kind.fan_in(module), features, running, kind)

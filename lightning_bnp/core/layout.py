@@ -29,9 +29,18 @@ class FeatureLayout:
         centred: per layer, whether it has the centring block of P (a bias).
         device: where the statistics live.
         dtype: the statistics' dtype (float32, or float64 for float64 models).
+        decay_offset: κ of the running statistics' ``decay`` = ρ^t + κ
+            (:class:`~lightning_bnp.core.statistics.RunningStatistics`): its batch value in the running update.
     """
 
-    def __init__(self, sizes: Sequence[int], centred: Sequence[bool], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        centred: Sequence[bool],
+        device: torch.device,
+        dtype: torch.dtype,
+        decay_offset: float = 0.0,
+    ) -> None:
         self.sizes = list(sizes)
         self.total = sum(self.sizes)
         self.lengths = torch.tensor(self.sizes, device=device)
@@ -44,7 +53,8 @@ class FeatureLayout:
         # the running state of a step is one vector [m ; v ; d] (d = ρ^t per layer): the layer of each entry
         layers = torch.arange(len(self.sizes), device=device)
         self.state_owner = torch.cat([self.owner, self.owner, layers])
-        self.zeros = torch.zeros(len(self.sizes), dtype=dtype, device=device)  # the batch value of d (d ← ρ·d)
+        # the batch value of d = ρ^t + κ in the running update: d ← ρ·d + (1 − ρ)·κ
+        self.decay_target = torch.full((len(self.sizes),), decay_offset, dtype=dtype, device=device)
         # the state the previous step left (its flat vectors and the per-layer views it handed out), so that
         # the next step can start from it without concatenating the layers' tensors again
         self.last_state: tuple[Tensor, Tensor, list[tuple[Tensor, Tensor, Tensor, Tensor]]] | None = None

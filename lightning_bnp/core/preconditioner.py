@@ -67,7 +67,7 @@ from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.attention import capturing, stop_capturing
 from lightning_bnp.core.copies import register_forward_hook, register_forward_pre_hook
 from lightning_bnp.core.coverage import Coverage, coverage
-from lightning_bnp.core.kinds import layer_kinds, select_layer_kinds
+from lightning_bnp.core.kinds import EMBEDDING, layer_kinds, select_layer_kinds
 from lightning_bnp.core.layers import NO_LEAF, BNPWarning, StepTransform, _Layer, make_layers
 from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.reparametrization import manageable, unsupported
@@ -106,6 +106,7 @@ def validate_bnp_arguments(
     exclude: Sequence[str] | str | None = None,
     sync_statistics: bool = True,
     conv_statistics: str = "channel",
+    embeddings: bool = False,
 ) -> tuple[list[str], list[str] | None, list[str] | None]:
     """Shared constructor checks; messages name the argument and the value.
 
@@ -123,6 +124,7 @@ def validate_bnp_arguments(
     check_bool("bias_correction", bias_correction)
     check_bool("sync_statistics", sync_statistics)
     check_choice("conv_statistics", conv_statistics, ("channel", "column"))
+    check_bool("embeddings", embeddings)
     return (
         validate_layer_types(layer_types, layer_kinds()),
         check_patterns("include", include),
@@ -237,7 +239,9 @@ def _step_math(
     """The tensor work of one step for a group of layers (Alg. 2/3 steps 1–5), without a single read back to
     the host, and traceable whole by ``torch.compile(fullgraph=True)``.
 
-    The running state is one vector ``[m ; v ; d]`` (d = ρ^t per layer) with step counts ``steps_before``.
+    The running state is one vector ``[m ; v ; d]`` (d = ρ^t + κ per layer, κ = ε2/(1 + ε1) in the paper's view
+    and 0 with bias correction: :class:`~lightning_bnp.core.statistics.RunningStatistics`) with step counts
+    ``steps_before``.
     ``counts``: (rows, samples, out positions) per layer when they were pooled over ranks (then q² is built
     here, and a layer that no rank ran keeps its state and gets M = I); else ``q2_flat`` and ``q2s`` are given.
 
@@ -246,8 +250,8 @@ def _step_math(
         the gradients are transformed in place.
     """
     total = layout.total
-    # [μ_H ; σ²_H ; 0] of every layer (0: the batch value of d = ρ^t, so that d ← ρ·d in the same update)
-    batch = torch.cat(means + variances + ([layout.zeros] if config.running else []))
+    # [μ_H ; σ²_H ; κ] of every layer (κ: the batch value of d = ρ^t + κ, so that d − κ ← ρ·(d − κ) in the same update)
+    batch = torch.cat(means + variances + ([layout.decay_target] if config.running else []))
     mu_h, var_h = batch[:total], batch[total : 2 * total]
     for i, running_mu in zip(config.one_row, running_mus):  # N = 1: σ²_H = (h − μ)², μ before the update
         part = layout.slice(i)
@@ -271,7 +275,7 @@ def _step_math(
         after = steps = peak
     else:
         assert before is not None and steps_before is not None
-        after = ema_update(before, batch, config.rho)  # [m ; v ; d] ← ρ[m ; v ; d] + (1−ρ)[μ_H ; σ²_H ; 0]
+        after = ema_update(before, batch, config.rho)  # [m ; v ; d] ← ρ[m ; v ; d] + (1−ρ)[μ_H ; σ²_H ; κ]
         # a layer whose moments are not finite keeps its state (and step count): P uses what was stored
         finite = torch.eq(peak, peak)
         after = torch.where(finite.index_select(0, layout.state_owner), after, before)
@@ -281,9 +285,9 @@ def _step_math(
             scale = torch.reciprocal(1.0 - decay).index_select(0, layout.owner)
             mu, var = mean_acc * scale, var_acc * scale
             var_t = var_tilde(var, config.eps1, config.eps2, maxima=layout.layer_max(var))
-        else:  # the paper's view σ² = v + ρ^t; σ̃² = σ² + ε1·max σ² + ε2 = v + ε1·(max v + d·(1 + ε1)/ε1 + ε2/ε1)
+        else:  # the paper's view σ² = v + ρ^t; σ̃² = σ² + ε1·max σ² + ε2 = v + ε1·(max v + ρ^t·(1 + ε1)/ε1 + ε2/ε1)
+            # = v + ε1·(max v + d·(1 + ε1)/ε1) with d = ρ^t + ε2/(1 + ε1): the ε2 term rides in d (one op less)
             floor = torch.add(layout.segment_max(var_acc), decay, alpha=(1.0 + config.eps1) / config.eps1)
-            floor.add_(config.eps2 / config.eps1)
             mu, var_t = mean_acc, torch.add(var_acc, floor.index_select(0, layout.owner), alpha=config.eps1)
     q2_out = peak
     if counts is not None:
@@ -293,6 +297,8 @@ def _step_math(
         q2_out = torch.where(counts[:, 0] > 0, q2, 1.0).to(mu.dtype)
         q2_flat, q2s = q2_out.index_select(0, layout.owner), list(q2_out.unbind(0))
         mu, var_t = torch.where(ran, mu, 0.0), torch.where(ran, var_t, 1.0)
+        # no rank ran it (or it saw no row, e.g. an embedding fed only padding): nothing was not finite
+        peak = torch.where(counts[:, 0] > 0, peak, 0.0)
     assert q2_flat is not None
     mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
     scales = layout.split(var_t * q2_flat)  # q²σ̃², all layers in one product
@@ -395,11 +401,15 @@ class BNPPreconditioner(ArgumentsRepr):
             implementation of Alg. 3) or exactly per im2col column, one per input channel and kernel offset
             over the patches that offset sees, padding included (``"column"``, eqs. 19–20: Alg. 2 applied
             to the unfolded input, with Alg. 3's q² = max(c_in·k²/N, √(r·s))). README "What it computes".
+        embeddings: also manage every ``nn.Embedding`` (the ``"Embedding"`` layer kind, which naming it in
+            ``layer_types`` selects as well): a bias-free Linear on one-hot inputs, σ² each token's frequency,
+            q² = max(V/N, 1) (README "Embeddings"). Off by default.
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
         ValueError: an argument outside its range or not finite, a pattern that matches no layer,
-            two selected layers that share a weight but not their bias, an uninitialised lazy layer, or
+            two selected layers that share a weight but not their bias (or of different kinds: a tied embedding
+            and output layer), a ``sparse=True`` embedding, an uninitialised lazy layer, or
             no layer left once the reparametrized ones BNP cannot follow are left alone (README
             "Reparametrized layers"; each of those gets a ``BNPWarning``).
         RuntimeError: a layer is already managed by another attached preconditioner.
@@ -429,6 +439,7 @@ class BNPPreconditioner(ArgumentsRepr):
         sync_statistics: bool = True,
         process_group: Any = None,
         conv_statistics: ConvStatistics = "channel",
+        embeddings: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
@@ -443,19 +454,30 @@ class BNPPreconditioner(ArgumentsRepr):
             exclude=exclude,
             sync_statistics=sync_statistics,
             conv_statistics=conv_statistics,
+            embeddings=embeddings,
         )
         self.rho, self.eps1, self.eps2 = rho, eps1, eps2
+        self.embeddings = embeddings
         self.conv_statistics = conv_statistics
         self.layer_types, self.include, self.exclude = layer_types, include, exclude
         self.statistics = statistics
         self.bias_correction = bias_correction
         self.sync_statistics = sync_statistics
         self.process_group = process_group
+        if embeddings and EMBEDDING not in layer_types:
+            layer_types = [*layer_types, EMBEDDING]
         chosen = select_layer_kinds(model, layer_types, include, exclude)
         kept = manageable({name: module for name, (module, _) in chosen.items()}, BNPWarning)
         selected = {name: chosen[name] for name in kept}
+        # the paper's view folds ε2 into the running ρ^t: decay = ρ^t + ε2/(1 + ε1) (_step_math's σ̃² floor)
+        self._decay_offset = 0.0 if bias_correction else eps2 / (1.0 + eps1)
         self.layers: dict[str, _Layer] = make_layers(
-            model, selected, rho=rho, bias_correction=bias_correction, conv_statistics=conv_statistics
+            model,
+            selected,
+            rho=rho,
+            bias_correction=bias_correction,
+            conv_statistics=conv_statistics,
+            decay_offset=self._decay_offset,
         )
         self._layer_list = list(self.layers.values())
         self.coverage: Coverage = coverage(model, self._layer_list, layer_types, include, exclude)
@@ -477,7 +499,10 @@ class BNPPreconditioner(ArgumentsRepr):
         self.attach()
 
     _repr_skip = ("model",)
-    _repr_if_set = ("conv_statistics",)
+    _repr_if_set = ("conv_statistics", "embeddings")
+    # class defaults for an object pickled before these existed (its running ρ^t has no offset)
+    embeddings = False
+    _decay_offset = 0.0
 
     def _repr_extra(self) -> list[str]:
         return [f"layers={list(self.layers)!r}", f"attached={self.attached}"]
@@ -967,7 +992,7 @@ class BNPPreconditioner(ArgumentsRepr):
                 self._layouts.pop(next(iter(self._layouts)))
             sizes = [layer.features for layer in layers]
             layout = self._layouts[key] = FeatureLayout(
-                sizes, [layer.has_bias for layer in layers], like.device, like.dtype
+                sizes, [layer.has_bias for layer in layers], like.device, like.dtype, self._decay_offset
             )
         return layout
 

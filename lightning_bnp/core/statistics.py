@@ -38,6 +38,7 @@ __all__ = [
     "masked_feature_moments",
     "moments_of_input",
     "statistics_dtype",
+    "token_moments",
 ]
 
 
@@ -200,6 +201,45 @@ def masked_feature_moments(h: Tensor, real: Tensor) -> Moments:
     return Moments(count, count, count, mean, var)
 
 
+def token_moments(
+    tokens: Tensor, vocabulary: int, padding_idx: int | None, dtype: torch.dtype, real: Tensor | None = None
+) -> Moments:
+    """Statistics of an embedding's input seen as the one-hot rows it selects (issue 24, item 4), without
+    building them: per token j of the ``vocabulary``, the mean of one-hot column j is the token's frequency
+    p_j = c_j / N and its biased variance p_j(1 − p_j), from the per-token counts c_j (one ``index_add_``:
+    static shape, no host read, traceable by ``torch.compile``; ``bincount`` reads its maximum back on CUDA).
+    N is every index of ``tokens`` (any shape), each one row.
+
+    ``padding_idx``: positions holding it are not tokens (torch gives the padding row no gradient and a
+    constant output): they are left out of N and of every frequency, so μ, σ² and q² are those of the real
+    tokens. N then depends on the data and stays on the device (a float64 0-dim tensor, as counts pooled over
+    ranks are: the step builds q² there).
+
+    ``real``: a token mask (bool, ``tokens``' shape, True = a real token; ``BNPPreconditioner.token_mask``):
+    the positions it leaves out are not tokens either, as padding positions are.
+    """
+    flat = tokens.detach().reshape(-1)
+    if flat.numel() == 0:
+        return Moments.empty(vocabulary, tokens.device, dtype)
+    counts = torch.zeros(vocabulary, dtype=torch.int64, device=flat.device)
+    if real is None:
+        ones = torch.ones((), dtype=torch.int64, device=flat.device).expand(flat.shape)
+    else:  # a masked position adds 0 to its token's count
+        ones = real.detach().reshape(-1).to(device=flat.device, dtype=torch.int64)
+    counts.index_add_(0, flat, ones)
+    rows: int | Tensor
+    if padding_idx is None and real is None:
+        rows = flat.numel()
+        mean = counts.to(dtype) / rows  # exact counts; the division rounds once, as a column mean of ones does
+    else:
+        if padding_idx is not None:
+            counts[padding_idx] = 0
+        rows = counts.sum().to(torch.float64)
+        mean = counts.to(dtype) / rows.clamp_min(1.0).to(dtype)  # no real token: μ = σ² = 0 and N = 0
+    var = torch.addcmul(mean, mean, mean, value=-1.0)  # p(1 − p); the step adds μ² back (bias-free: E[h²] = p)
+    return Moments(rows, rows, rows, mean, var)
+
+
 def column_moments_of_input(layer: nn.Module, h: Tensor, output: Tensor) -> Moments:
     """Exact per-column statistics of a ConvNd input (eqs. 19–20): the mean and biased variance of every
     column of the unfolded input ``F.unfold(h)`` — one per (input channel, kernel offset), in the order of
@@ -332,12 +372,20 @@ class RunningStatistics:
     ``σ² − ρ^t`` in float32 when the true variance is small. Before the first update both views
     are the paper's initial values μ = 0, σ² = 1.
 
+    ρ^t is kept on the device as :attr:`decay` = ρ^t + κ, a constant ``decay_offset`` κ added: the step updates
+    it with the accumulators, ``decay ← ρ·decay + (1 − ρ)·κ``, and the paper's view folds ε2 into it
+    (κ = ε2/(1 + ε1), so that its σ̃² floor takes one op less per step: ``preconditioner._step_math``).
+
     Args:
         features: length of μ and σ².
         rho: ρ ∈ [0, 1).
         bias_correction: use the bias-corrected view.
         device: where the accumulators live.
+        dtype: the statistics' dtype.
+        decay_offset: κ ≥ 0 (0 by default: :attr:`decay` is ρ^t).
     """
+
+    decay_offset: float = 0.0  # (class default: an object pickled before κ existed holds plain ρ^t)
 
     def __init__(
         self,
@@ -347,13 +395,15 @@ class RunningStatistics:
         bias_correction: bool,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        decay_offset: float = 0.0,
     ) -> None:
         self.rho = rho
         self.bias_correction = bias_correction
+        self.decay_offset = decay_offset
         self.mean_acc = torch.zeros(features, dtype=dtype, device=device)
         self.var_acc = torch.zeros(features, dtype=dtype, device=device)
-        # ρ^t, kept on the device next to the accumulators (the step updates it with them, d ← ρ·d)
-        self.decay = torch.ones(1, dtype=dtype, device=device)
+        # ρ^t + κ, kept on the device next to the accumulators (the step updates it with them)
+        self.decay = torch.full((1,), 1.0 + decay_offset, dtype=dtype, device=device)
         self._steps: int | Tensor = 0  # t: a host int, or a (1,) int64 tensor that the step counts on the device
 
     @property
@@ -366,7 +416,8 @@ class RunningStatistics:
     @steps.setter
     def steps(self, steps: int) -> None:
         self._steps = steps
-        self.decay = torch.full((1,), self.rho**steps, dtype=self.mean_acc.dtype, device=self.mean_acc.device)
+        decay = self.rho**steps + self.decay_offset
+        self.decay = torch.full((1,), decay, dtype=self.mean_acc.dtype, device=self.mean_acc.device)
 
     def view_coefficients(self, steps: int) -> tuple[float, float]:
         """(scale, shift) with μ = scale·m_t and σ² = scale·v_t + shift, for t ≥ 1."""
@@ -393,7 +444,7 @@ class RunningStatistics:
         """μ of the configured view computed on the device from ρ^t (no read of t; 0 before any update)."""
         if not self.bias_correction:
             return self.mean_acc  # μ = m, and m = 0 before any update
-        return self.mean_acc / (1.0 - self.decay).clamp_min(torch.finfo(self.decay.dtype).tiny)
+        return self.mean_acc / ((1.0 + self.decay_offset) - self.decay).clamp_min(torch.finfo(self.decay.dtype).tiny)
 
     @property
     def mu(self) -> Tensor:
@@ -408,7 +459,7 @@ class RunningStatistics:
         return ema_update(self.mean_acc, mu_h, self.rho), ema_update(self.var_acc, var_h, self.rho), self.steps + 1
 
     def assign(self, mean_acc: Tensor, var_acc: Tensor, steps: int | Tensor, decay: Tensor | None = None) -> None:
-        """Store an accumulator state; ``steps`` and ``decay`` (ρ^t, shape (1,)) may be device tensors."""
+        """Store an accumulator state; ``steps`` and ``decay`` (ρ^t + κ, shape (1,)) may be device tensors."""
         if decay is None:
             assert isinstance(steps, int)
             self.mean_acc, self.var_acc, self.steps = mean_acc, var_acc, steps
@@ -425,12 +476,13 @@ class RunningStatistics:
                 self._steps = self._steps.to(device)
 
     def state_dict(self) -> dict[str, object]:
-        # ρ^t as the steps computed it (d ← ρ·d in the statistics' dtype), so that a resumed run is bit-identical
+        # ρ^t + κ as the steps computed it (in the statistics' dtype), so that a resumed run is bit-identical
         return {
             "mean_acc": self.mean_acc.cpu().clone(),
             "var_acc": self.var_acc.cpu().clone(),
             "steps": self.steps,
             "decay": self.decay.cpu().clone(),
+            "decay_offset": self.decay_offset,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -447,6 +499,9 @@ class RunningStatistics:
         self.steps = int(state["steps"])  # type: ignore[call-overload]  # sets ρ^t too
         decay = state.get("decay")  # absent from states saved before issue 28: ρ^t from t
         if isinstance(decay, Tensor):
+            offset = float(state.get("decay_offset", 0.0))  # type: ignore[arg-type]  # 0: saved before it existed
+            if offset != self.decay_offset:  # saved under other settings: ρ^t + κ with this κ
+                decay = decay.double() - offset + self.decay_offset
             self.decay = decay.to(device=device, dtype=dtype).reshape(1).clone()
 
 

@@ -188,3 +188,104 @@ def test_callback_on_multihead_attention_equals_the_four_linear_twin(
     twin = parameters(twin_model)
     for name, value in as_twin_parameters(mha_model).items():
         torch.testing.assert_close(value, twin[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ----------------------------------------------------------------------------- issue 24: nn.Embedding
+class BagOfTokens(nn.Module):
+    """Token embeddings (``nn.Embedding``, or its bias-free one-hot Linear twin), mean over positions, a head."""
+
+    def __init__(self, one_hot: bool = False, seed: int = 0, padding_idx: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb: nn.Module = nn.Embedding(13, 6, padding_idx=padding_idx)
+        self.head = nn.Linear(6, 3)
+        if one_hot:
+            weight = self.emb.weight.detach().t().clone()  # type: ignore[union-attr]
+            self.emb = nn.Linear(13, 6, bias=False)
+            with torch.no_grad():
+                self.emb.weight.copy_(weight)
+        self.one_hot = one_hot
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.emb(nn.functional.one_hot(x, 13).float() if self.one_hot else x)
+        return self.head(torch.tanh(h).mean(1))
+
+
+def token_data(n: int = 64) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.multinomial(torch.linspace(3.0, 0.2, 13), n * 5, replacement=True, generator=g).view(n, 5)
+    return torch.utils.data.TensorDataset(x, torch.randint(0, 3, (n,), generator=g))
+
+
+def test_callback_with_embeddings_equals_the_one_hot_linear_twin(tmp_path: Path) -> None:
+    runs = []
+    for one_hot in (False, True):
+        bnp = BatchNormPreconditioning(embeddings=not one_hot)
+        model = BoringClassifier(BagOfTokens(one_hot), momentum=0.9)
+        _fit(tmp_path, model, token_data(), batch_size=16, callbacks=[bnp], max_steps=6, accumulate_grad_batches=1)
+        assert bnp.preconditioner is not None and list(bnp.preconditioner.layers) == ["network.emb", "network.head"]
+        runs.append((model.network, bnp.preconditioner.state_dict()))
+    (net, state), (twin, twin_state) = runs
+    torch.testing.assert_close(net.emb.weight, twin.emb.weight.t(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(net.head.weight, twin.head.weight, rtol=1e-6, atol=1e-7)
+    for name, layer in twin_state["layers"].items():
+        assert state["layers"][name]["steps"] == layer["steps"] == 6
+        torch.testing.assert_close(state["layers"][name]["var_acc"], layer["var_acc"], rtol=1e-6, atol=1e-7)
+
+
+def test_callback_with_embeddings_resumes_from_a_checkpoint_bit_identically(tmp_path: Path) -> None:
+    data = token_data()
+    straight_cb = BatchNormPreconditioning(embeddings=True)
+    straight = BoringClassifier(BagOfTokens(), momentum=0.9)
+    _fit(tmp_path / "a", straight, data, batch_size=16, callbacks=[straight_cb], max_epochs=4)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    first = BoringClassifier(BagOfTokens(), momentum=0.9)
+    _fit(tmp_path / "b", first, data, batch_size=16, callbacks=[BatchNormPreconditioning(embeddings=True), ckpt],
+         max_epochs=2, enable_checkpointing=True)  # fmt: skip
+    resumed_cb = BatchNormPreconditioning(embeddings=True)
+    resumed = BoringClassifier(BagOfTokens(seed=123), momentum=0.9)
+    _fit(tmp_path / "c", resumed, data, batch_size=16, callbacks=[resumed_cb], max_epochs=4,
+         ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))  # fmt: skip
+    for (name, p), q in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    layer, other = straight_cb.preconditioner.layers["network.emb"], resumed_cb.preconditioner.layers["network.emb"]  # type: ignore[union-attr]
+    assert other.running.steps == layer.running.steps == 16
+    assert torch.equal(other.running.var_acc, layer.running.var_acc)
+    # the embedding's statistics do not load into a run that leaves embeddings alone
+    with pytest.raises(ValueError, match=r"unexpected \['network.emb'\]"):
+        _fit(tmp_path / "d", BoringClassifier(BagOfTokens()), data, batch_size=16, max_epochs=4,
+             callbacks=[BatchNormPreconditioning()], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))  # fmt: skip
+
+
+class TokenClassifier(BoringClassifier):
+    def __init__(self) -> None:
+        super().__init__(BagOfTokens())
+
+
+def test_embeddings_are_switched_on_from_a_lightning_cli_yaml(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_bnp.BatchNormPreconditioning\n"
+        "      init_args:\n"
+        "        embeddings: true\n"
+    )
+    cli = LightningCLI(TokenClassifier, run=False, save_config_callback=None,
+                       args=["--config", str(config), "--trainer.max_steps=2", "--trainer.logger=false",
+                             f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_checkpointing=false",
+                             "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu"])  # fmt: skip
+    (bnp,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, BatchNormPreconditioning)]  # type: ignore[attr-defined]
+    assert bnp.embeddings is True and "embeddings=True" in repr(bnp)
+    cli.trainer.fit(cli.model, DataLoader(token_data(32), batch_size=16))
+    assert bnp.preconditioner is not None and list(bnp.preconditioner.layers) == ["network.emb", "network.head"]
+    assert bnp.preconditioner.layers["network.emb"].running.steps == 2
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # off by default: the setup line names the embedding and why
+        _fit(tmp_path, TokenClassifier(), token_data(16), batch_size=16, max_steps=1,
+             callbacks=[BatchNormPreconditioning()])  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("BatchNormPreconditioning: BNP")]
+    assert lines == [
+        "BatchNormPreconditioning: BNP manages 1 layers: ['network.head']; BNP transforms 1 of the model's 2 trainable "
+        "weight matrices; it leaves alone network.emb.weight (embedding (embeddings=False))"
+    ]

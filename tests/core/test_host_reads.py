@@ -73,3 +73,21 @@ def test_batch_size_one_reads_nothing_back(bias_correction: bool) -> None:
         assert reads.reads == {}, step
         net.zero_grad()
     assert pre.layers["0"].running.steps == 3
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_embeddings_read_nothing_back(padding_idx: int | None) -> None:
+    """Issue 24 item 4: the token counts are one ``index_add_`` (``bincount`` sizes its output from the largest
+    index, a read on CUDA); with ``padding_idx`` the count of real tokens stays on the device, and the step
+    builds q² there."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(10, 4, padding_idx=padding_idx), nn.Flatten(), nn.Linear(12, 3))
+    pre = BNPPreconditioner(net, embeddings=True)
+    for step in range(3):
+        x = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(step))
+        with HostReads() as reads:
+            F.cross_entropy(net(x), torch.arange(5) % 3).backward()
+            pre.step()
+        assert reads.reads == {}, step
+        net.zero_grad()
+    assert pre.layers["0"].running.steps == 3

@@ -147,7 +147,7 @@ def test_skipped_names_each_weight_matrix_bnp_leaves_alone_with_its_reason() -> 
         "1.matrix": "unknown layer type tests.core.test_layer_kinds.Affine (teach BNP with register_layer_kind)",
         "2.weight": "excluded by `exclude` pattern '2'",
         "4.weight": "unknown layer type torch.nn.modules.conv.ConvTranspose1d (teach BNP with register_layer_kind)",
-        "5.weight": "embedding (Embedding: not a layer kind BNP manages)",
+        "5.weight": "embedding (embeddings=False)",
         "3.weight": "frozen (requires_grad=False); transformed once it trains",
     }
     assert pre.report(limit=2) == (
@@ -221,7 +221,7 @@ def test_gpt2_conv1d_layers_are_all_transformed_and_equal_bnp_on_nn_linear() -> 
         with pytest.warns(BNPWarning, match=r"'lm_head' shares its weight with 'transformer.wte' \(Embedding\)"):
             pre = BNPPreconditioner(net, rho=0.9)
         assert set(pre.layers) == {*projections, "lm_head"}
-        assert pre.skipped == {"transformer.wpe.weight": "embedding (Embedding: not a layer kind BNP manages)"}
+        assert pre.skipped == {"transformer.wpe.weight": "embedding (embeddings=False)"}
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
             ids = torch.randint(0, 40, (3, 10), generator=g)

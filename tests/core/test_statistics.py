@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_bnp.core import BNPPreconditioner
 from lightning_bnp.core.statistics import Moments, RunningStatistics, column_moments_of_input, moments_of_input
 
 
@@ -218,3 +219,31 @@ def test_running_state_dict_round_trip_and_shape_check() -> None:
     c = RunningStatistics(4, rho=0.99, bias_correction=True, device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"shape \(3,\) do not fit a layer with 4 input features"):
         c.load_state_dict(a.state_dict())
+
+
+def test_decay_offset_is_carried_by_the_state_and_converted_when_the_settings_differ() -> None:
+    """``decay`` = ρ^t + κ (the paper view's ε2 folded in, κ = ε2/(1 + ε1)): a state saved with one κ loads into
+    another as ρ^t + the new κ, a state saved before κ existed (plain ρ^t) as ρ^t + κ, the same κ bit for bit."""
+    cpu, rho = torch.device("cpu"), 0.9
+    pre = BNPPreconditioner(nn.Linear(3, 2), rho=rho, eps1=0.5, eps2=0.3)
+    running = pre.layers[""].running
+    assert running.decay_offset == pytest.approx(0.3 / 1.5)
+    torch.testing.assert_close(running.decay, torch.tensor([1.0 + 0.2]))
+    pre.detach()
+    a = RunningStatistics(2, rho=rho, bias_correction=False, device=cpu, decay_offset=0.2)
+    for _ in range(3):
+        a.assign(*a.updated(torch.ones(2), torch.ones(2)))
+    torch.testing.assert_close(a.decay, torch.tensor([rho**3 + 0.2]))
+    saved = a.state_dict()
+    assert saved["decay_offset"] == 0.2
+    same = RunningStatistics(2, rho=rho, bias_correction=False, device=cpu, decay_offset=0.2)
+    same.load_state_dict(saved)
+    assert torch.equal(same.decay, a.decay)
+    other = RunningStatistics(2, rho=rho, bias_correction=True, device=cpu)  # κ = 0 with bias correction
+    other.load_state_dict(saved)
+    torch.testing.assert_close(other.decay, torch.tensor([rho**3]))
+    torch.testing.assert_close(other.device_mu(), torch.ones(2))  # m / (1 − ρ^t) for a constant μ_H = 1
+    old = {k: v for k, v in saved.items() if k != "decay_offset"}
+    old["decay"] = torch.tensor([rho**3])  # saved before κ existed: plain ρ^t
+    same.load_state_dict(old)
+    torch.testing.assert_close(same.decay, torch.tensor([rho**3 + 0.2]))

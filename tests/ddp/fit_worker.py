@@ -16,7 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
@@ -37,6 +37,22 @@ def _attention(index: int) -> nn.Module:
 
 # "mha": self-attention with nn.MultiheadAttention, "mha_twin": the same with four nn.Linear (issue 24)
 NETS |= {"mha": (lambda: _attention(0), (32,)), "mha_twin": (lambda: _attention(1), (32,))}
+
+
+class Bucketed(nn.Module):
+    """Tokens from the (float) data: |x| in buckets of 1/4, up to 12; token 0 is padding (issue 24 item 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.callbacks.test_layer_kinds_callback import BagOfTokens
+
+        self.inner = BagOfTokens(padding_idx=0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner((x.abs() * 4).long().clamp(max=12))
+
+
+NETS |= {"tokens": (Bucketed, (5,))}
 
 
 class OrderedData(pl.LightningDataModule):
@@ -105,12 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--statistics", choices=["running", "batch"], default="running")
     parser.add_argument("--gradient-penalty", type=float, default=0.0)
     parser.add_argument("--conv-statistics", choices=["channel", "column"], default="channel")
+    parser.add_argument("--embeddings", action="store_true")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     make_net, shape = NETS[args.net]
     bnp = BatchNormPreconditioning(
-        sync_statistics=not args.no_sync, statistics=args.statistics, conv_statistics=args.conv_statistics
+        sync_statistics=not args.no_sync,
+        statistics=args.statistics,
+        conv_statistics=args.conv_statistics,
+        embeddings=args.embeddings,
     )
     callbacks: list[pl.Callback] = [bnp, SaveFinalState(args.out, bnp), ReleaseProcessGroup()]
     if args.gradient_penalty > 0:

@@ -59,3 +59,23 @@ def test_multihead_attention_under_ddp_equals_the_four_linear_twin_in_one_proces
             assert state["bnp"]["layers"][ddp_name]["steps"] == layer["steps"] == 8
             for key in ("mean_acc", "var_acc"):
                 torch.testing.assert_close(state["bnp"]["layers"][ddp_name][key], layer[key], rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_with_padding_under_ddp_equals_one_process(tmp_path: Path) -> None:
+    """Issue 24 item 4: an embedding's token counts pooled over 2 ranks (batch 8 each) end where one process with
+    batch 16 ends; with ``padding_idx`` each rank's count of real tokens is a device tensor, packed into the one
+    all-gather and merged there."""
+    common = ("--n", "64", "--epochs", "2", "--net", "tokens", "--embeddings")
+    (single,) = run_worker("fit_worker", tmp_path / "single", *common, "--strategy", "auto", "--devices", "1",
+                           "--batch-size", "16")  # fmt: skip
+    states = run_worker("fit_worker", tmp_path / "ddp", *common, "--strategy", "ddp", "--devices", "2",
+                        "--batch-size", "8")  # fmt: skip
+    assert len(states) == 2 and all(s["world_size"] == 2 and s["global_step"] == 8 for s in states)
+    assert set(single["bnp"]["layers"]) == {"network.inner.emb", "network.inner.head"}
+    for state in states:
+        for name, p in single["params"].items():
+            torch.testing.assert_close(state["params"][name], p, rtol=1e-5, atol=1e-5 * p.abs().max().item(), msg=name)
+        for name, layer in single["bnp"]["layers"].items():
+            assert state["bnp"]["layers"][name]["steps"] == layer["steps"] == 8
+            for key in ("mean_acc", "var_acc"):
+                torch.testing.assert_close(state["bnp"]["layers"][name][key], layer[key], rtol=1e-5, atol=1e-6)
