@@ -86,8 +86,9 @@ def test_the_callback_counts_the_real_tokens_of_each_batch(tmp_path: Path, key: 
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     for name, layer in pre.layers.items():
         assert layer.running.steps == ref.layers[name].running.steps == 2
-        torch.testing.assert_close(layer.running.mean_acc.cpu(), ref.layers[name].running.mean_acc, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(layer.running.var_acc.cpu(), ref.layers[name].running.var_acc, rtol=1e-6, atol=1e-6)
+        want = ref.layers[name].running
+        torch.testing.assert_close(layer.running.mean_acc.cpu(), want.mean_acc, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(layer.running.var_acc.cpu(), want.var_acc, rtol=1e-6, atol=1e-6)
 
 
 def test_a_missing_batch_key_is_named(tmp_path: Path) -> None:
