@@ -13,7 +13,23 @@ import torch
 import torchmetrics
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
+
+
+def check_optimizer(lr: float, optimizer: str) -> None:
+    """The examples' optimizer arguments: ``lr`` > 0, ``optimizer`` ``"sgd"`` or ``"adam"``."""
+    if lr <= 0:
+        raise ValueError(f"`lr` must be > 0, got {lr}")
+    if optimizer not in ("sgd", "adam"):
+        raise ValueError(f"`optimizer` must be 'sgd' or 'adam', got {optimizer!r}")
+
+
+def make_optimizer(module: nn.Module, name: str, lr: float, momentum: float, weight_decay: float) -> Optimizer:
+    """Adam (momentum unused) or SGD with momentum over every parameter of ``module``."""
+    if name == "adam":
+        return torch.optim.Adam(module.parameters(), lr=lr, weight_decay=weight_decay)
+    return torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
 class Classifier(pl.LightningModule):
@@ -43,10 +59,7 @@ class Classifier(pl.LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
-        if lr <= 0:
-            raise ValueError(f"`lr` must be > 0, got {lr}")
-        if optimizer not in ("sgd", "adam"):
-            raise ValueError(f"`optimizer` must be 'sgd' or 'adam', got {optimizer!r}")
+        check_optimizer(lr, optimizer)
         self.network = network
         self.lr = lr
         self.momentum = momentum
@@ -89,9 +102,7 @@ class Classifier(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
-        if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        return make_optimizer(self, self.optimizer_name, self.lr, self.momentum, self.weight_decay)
 
 
 class ScheduledClassifier(Classifier):

@@ -10,13 +10,12 @@ from __future__ import annotations
 from typing import Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from example_projects.classifier import Classifier
+from example_projects.classifier import Classifier, check_optimizer, make_optimizer
 from example_projects.transformers import CORPUS_BYTES, VOCAB, CharLM, TransformerNorm, ViT, corpus_splits, torch_corpus
 from lightning_bnp.core.validation import check_int
 
@@ -99,10 +98,7 @@ class CharLMModule(pl.LightningModule):
         optimizer: Literal["sgd", "adam"] = "sgd",
     ) -> None:
         super().__init__()
-        if lr <= 0:
-            raise ValueError(f"`lr` must be > 0, got {lr}")
-        if optimizer not in ("sgd", "adam"):
-            raise ValueError(f"`optimizer` must be 'sgd' or 'adam', got {optimizer!r}")
+        check_optimizer(lr, optimizer)
         self.save_hyperparameters()
         self.network = CharLM(VOCAB, d=d, depth=depth, heads=heads, context=context, norm=norm)
         self.lr, self.momentum, self.weight_decay, self.optimizer_name = lr, momentum, weight_decay, optimizer
@@ -131,9 +127,7 @@ class CharLMModule(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
-        if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        return make_optimizer(self, self.optimizer_name, self.lr, self.momentum, self.weight_decay)
 
 
 class _Windows(Dataset[tuple[Tensor, Tensor]]):
