@@ -24,6 +24,13 @@ identity); the forward hook (``always_call``: also after an exception) restores 
 projection multiplies (exact). A weight passed in another form (e.g. recomputed by a parametrization of the
 child) is not recognised: its layer then warns after the step that its forward never ran.
 
+Under ``torch.compile`` the capture is traced (one graph, ``fullgraph=True`` holds): Dynamo sees the swap of the
+module global as a side effect of the traced hooks and inlines ``_recording_linear``. Two more globals are swapped
+for the same span, because Dynamo keeps ``F.multi_head_attention_forward`` whole in its graph (the ``F.linear``
+inside would never be seen): :data:`_TRACEABLE_MHA`, the same code under another identity, which it inlines, and
+``F._check_key_padding_mask``, whose ``torch._check`` messages it cannot trace. The lock is taken in eager only
+(Dynamo cannot enter it; a compiled forward applies its swaps as the graph's side effects).
+
 Left as they are: ``bias_k``/``bias_v`` (1-D parameters appended to the projected keys and values, not weight
 matrices: not preconditioned), ``add_zero_attn`` (appends zeros after the projections: nothing to precondition),
 ``static_k``/``static_v``. The MHA fast path (``torch._native_multi_head_attention``) only runs without
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -195,6 +203,35 @@ def _real_keys(padding: Tensor, *, transpose: bool) -> Tensor:
 # ------------------------------------------------------------------ F.linear capture
 _LOCK = threading.Lock()
 _ORIGINAL_LINEAR = F.linear
+_ORIGINAL_MHA = F.multi_head_attention_forward
+# The same function under another identity, reading torch.nn.functional's own globals (so its ``linear`` is
+# whatever ``F.linear`` is at the call). Dynamo puts ``F.multi_head_attention_forward`` into its graph whole, as a
+# torch function, and never sees the ``F.linear`` call inside it; this copy it inlines like any Python function.
+_TRACEABLE_MHA = types.FunctionType(
+    _ORIGINAL_MHA.__code__,
+    _ORIGINAL_MHA.__globals__,
+    _ORIGINAL_MHA.__name__,
+    _ORIGINAL_MHA.__defaults__,
+    _ORIGINAL_MHA.__closure__,
+)
+_TRACEABLE_MHA.__kwdefaults__ = _ORIGINAL_MHA.__kwdefaults__
+_TRACEABLE_MHA.__qualname__ = _ORIGINAL_MHA.__qualname__
+_TRACEABLE_MHA.__doc__ = _ORIGINAL_MHA.__doc__
+# torch's check of key_padding_mask's shape gives torch._check messages whose closures hold the tensor, which Dynamo
+# cannot trace (a graph break; an error with fullgraph=True); absent in some torch versions (then nothing to swap)
+_ORIGINAL_CHECK_KPM = getattr(F, "_check_key_padding_mask", None)
+
+
+def _traceable_check_key_padding_mask(key_padding_mask: Tensor, src_len: int, bsz: int) -> None:
+    """torch's ``_check_key_padding_mask`` (the same messages in eager), traceable by Dynamo."""
+    if not torch.compiler.is_compiling():
+        _ORIGINAL_CHECK_KPM(key_padding_mask, src_len, bsz)  # type: ignore[misc]
+        return
+    # messages without the values: a closure over a size would hold a symbolic int under dynamic shapes
+    torch._check_with(AssertionError, key_padding_mask.shape[0] == bsz, lambda: "key_padding_mask: not (N, S)")
+    torch._check_with(AssertionError, key_padding_mask.shape[1] == src_len, lambda: "key_padding_mask: not (N, S)")
+
+
 _WATCHED: dict[int, list[tuple[Tensor, Tensor]]] = {}
 _ACTIVE = 0
 
@@ -207,26 +244,45 @@ def _recording_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None)
     return out
 
 
+def _start(weight: Tensor) -> list[tuple[Tensor, Tensor]]:
+    global _ACTIVE
+    calls = _WATCHED.setdefault(id(weight), [])
+    _ACTIVE += 1
+    F.linear = _recording_linear  # the module global F.* functions look up
+    F.multi_head_attention_forward = _TRACEABLE_MHA
+    if _ORIGINAL_CHECK_KPM is not None:
+        F._check_key_padding_mask = _traceable_check_key_padding_mask  # type: ignore[attr-defined]
+    return calls
+
+
+def _stop(weight: Tensor) -> list[tuple[Tensor, Tensor]]:
+    global _ACTIVE
+    calls = _WATCHED.pop(id(weight), [])
+    _ACTIVE = max(_ACTIVE - 1, 0)
+    if _ACTIVE == 0:
+        F.linear = _ORIGINAL_LINEAR
+        F.multi_head_attention_forward = _ORIGINAL_MHA
+        if _ORIGINAL_CHECK_KPM is not None:
+            F._check_key_padding_mask = _ORIGINAL_CHECK_KPM  # type: ignore[attr-defined]
+    return calls
+
+
 def capturing(weight: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Start recording the ``(input, output)`` of ``F.linear`` calls with ``weight``; returns the list they are
-    appended to. Stop with :func:`stop_capturing`."""
-    global _ACTIVE
+    appended to. Stop with :func:`stop_capturing`. Traced by ``torch.compile`` (the lock, which Dynamo cannot
+    enter, is taken in eager only: a traced forward's swaps are the graph's side effects)."""
+    if torch.compiler.is_compiling():
+        return _start(weight)
     with _LOCK:
-        calls = _WATCHED.setdefault(id(weight), [])
-        _ACTIVE += 1
-        F.linear = _recording_linear  # the module global F.* functions look up
-    return calls
+        return _start(weight)
 
 
 def stop_capturing(weight: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Stop one :func:`capturing` of ``weight``; the calls recorded since."""
-    global _ACTIVE
+    if torch.compiler.is_compiling():
+        return _stop(weight)
     with _LOCK:
-        calls = _WATCHED.pop(id(weight), [])
-        _ACTIVE = max(_ACTIVE - 1, 0)
-        if _ACTIVE == 0:
-            F.linear = _ORIGINAL_LINEAR
-    return calls
+        return _stop(weight)
 
 
 def register_functional_linear(

@@ -6,16 +6,22 @@ parameters and running statistics as eager for the ``eager``, ``aot_eager`` and 
 
 from __future__ import annotations
 
-import operator
 import shutil
 import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch._dynamo
-from torch import nn
+import torch._inductor.config
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
+from lightning_bnp.core.attention import register_functional_linear
+from lightning_bnp.core.kinds import unregister_layer_kind
+
+LINEAR, MHA_FORWARD = F.linear, F.multi_head_attention_forward
 
 BACKENDS = [
     "eager",
@@ -146,42 +152,140 @@ def test_the_compiled_step_is_one_graph_and_trains_like_eager(backend: str, opti
         torch.testing.assert_close(other.var_acc, layer.running.var_acc, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager"])
-def test_multihead_attention_under_compile(backend: str) -> None:
-    """Issue 24: the q, k, v blocks of a compiled nn.MultiheadAttention equal eager's. Its out_proj, whose input
-    BNP captures from MHA's F.linear call, is not reached inside a compiled graph: the step names it (known gap,
-    README "Transformers")."""
-
-    def run(compiled: str | None) -> tuple[nn.Module, BNPPreconditioner]:
-        torch.manual_seed(0)
-        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-        model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
-        pre = BNPPreconditioner(model)
-        forward = model if compiled is None else torch.compile(model, backend=compiled)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
+def train_attention(model: nn.Module, backend: str | None, inputs: Any, steps: int) -> BNPPreconditioner:
+    """SGD + BNP on ``model`` fed ``inputs(generator)`` (a tuple of forward arguments); ``backend=None`` is eager,
+    otherwise ``torch.compile(fullgraph=True)``: any graph break fails."""
+    pre = BNPPreconditioner(model)
+    forward = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)  # no layer is left untransformed
+        for _ in range(steps):
             opt.zero_grad()
-            forward(torch.randn(3, 4, 8, generator=g)).square().mean().backward()
+            out = forward(*inputs(g))
+            (out[0] if isinstance(out, tuple) else out).square().mean().backward()
             pre.step(opt)
             opt.step()
-        return model, pre
+    return pre
+
+
+def assert_trained_alike(
+    model: nn.Module, pre: BNPPreconditioner, eager: nn.Module, eager_pre: BNPPreconditioner
+) -> None:
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    for name, layer in eager_pre.layers.items():
+        other = pre.layers[name].running
+        assert other.steps == layer.running.steps > 0, name
+        torch.testing.assert_close(other.mean_acc, layer.running.mean_acc, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(other.var_acc, layer.running.var_acc, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multihead_attention_under_compile(backend: str) -> None:
+    """Issue 24: a compiled nn.TransformerEncoder (dropout on) with BNP is one graph — no graph break, no
+    recompilation over 12 steps — and every attention layer, out_proj included (whose input BNP captures from
+    MHA's F.linear call), is preconditioned as in eager."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def inputs(g: torch.Generator) -> tuple[Tensor]:
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))  # the same dropout masks in both runs
+        return (torch.randn(3, 4, 8, generator=g),)
 
     torch._dynamo.reset()
-    eager, _ = run(None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        compiled, pre = run(backend)
-    named = [
-        w for w in caught if issubclass(w.category, BNPWarning) and "'layers.0.self_attn.out_proj'" in str(w.message)
-    ]
-    steps = [layer.running.steps for layer in pre.layers.values()]
-    # never silent: out_proj is named (torch 2.14: Dynamo does not run the swapped F.linear) or, where a torch
-    # version traces the swap into the graph (2.11 on an H200 warned nothing), preconditioned as in eager
-    assert (steps == [3, 3, 3, 0, 3, 3] and named) or (steps == [3] * 6 and not named), (steps, len(named))
-    names = ("in_proj_weight", "in_proj_bias") + (("out_proj.weight", "out_proj.bias") if not named else ())
-    for name in names:
-        value = operator.attrgetter(name)
-        torch.testing.assert_close(
-            value(compiled.layers[0].self_attn), value(eager.layers[0].self_attn), rtol=1e-5, atol=1e-6, msg=name
-        )
+    torch._dynamo.utils.counters.clear()
+    eager = build()
+    eager_pre = train_attention(eager, None, inputs, 12)
+    model = build()
+    with torch._inductor.config.patch(fallback_random=True):  # inductor: eager's dropout masks
+        pre = train_attention(model, backend, inputs, 12)
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # no recompilation
+    assert sum(name.endswith(".out_proj") for name in pre.layers) == 2
+    assert_trained_alike(model, pre, eager, eager_pre)
+    assert F.linear is LINEAR and F.multi_head_attention_forward is MHA_FORWARD  # restored after the graph
+
+
+@pytest.mark.parametrize("case", ["cross-key-padding-weights", "kdim-vdim-seq-first-causal"])
+def test_multihead_attention_forms_under_compile(case: str) -> None:
+    """Cross-attention with a key-padding mask and ``need_weights``, and separate q/k/v weights with a causal
+    mask, sequence first: compiled (aot_eager, fullgraph) equals eager, out_proj included (eager BNP on MHA
+    equals BNP on four nn.Linear layers: tests/core/test_attention.py)."""
+    kdim, vdim, batch_first = (8, 8, True) if case.startswith("cross") else (5, 3, False)
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first, kdim=kdim, vdim=vdim)
+
+        def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            if case.startswith("cross"):
+                padding = torch.zeros(3, 6, dtype=torch.bool)
+                padding[0, -2:] = True
+                return self.attn(query, key, value, key_padding_mask=padding, need_weights=True)[0]
+            causal = torch.ones(4, 6, dtype=torch.bool).triu(1)
+            return self.attn(query, key, value, attn_mask=causal, need_weights=False)[0]
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return Attention()
+
+    def inputs(g: torch.Generator) -> tuple[Tensor, ...]:
+        shape = (lambda n, f: (3, n, f)) if batch_first else (lambda n, f: (n, 3, f))
+        key = torch.randn(shape(6, kdim), generator=g) * 2 + 0.5
+        value = key if kdim == vdim else torch.randn(shape(6, vdim), generator=g)
+        return torch.randn(shape(4, 8), generator=g), key, value
+
+    torch._dynamo.reset()
+    eager = build()
+    eager_pre = train_attention(eager, None, inputs, 4)
+    model = build()
+    pre = train_attention(model, "aot_eager", inputs, 4)
+    assert len(pre.layers) == 4
+    assert_trained_alike(model, pre, eager, eager_pre)
+
+
+class FunctionalParent(nn.Module):
+    """A parent that calls F.linear with its children's weights (as torchvision's Swin does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(6, 12), nn.Linear(4, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).chunk(3, dim=-1)
+        attn = (q @ k.transpose(-1, -2)).softmax(-1) @ v
+        return F.linear(attn, self.proj.weight, self.proj.bias)
+
+
+def test_functional_linear_under_compile() -> None:
+    """The general F.linear capture (``register_functional_linear``): traced into one graph, equal to eager."""
+    kinds = register_functional_linear(FunctionalParent, ["qkv", "proj"])
+    try:
+
+        def build() -> nn.Module:
+            torch.manual_seed(0)
+            return nn.Sequential(FunctionalParent(), nn.Linear(5, 3))
+
+        def inputs(g: torch.Generator) -> tuple[Tensor]:
+            return (torch.randn(3, 7, 6, generator=g) * 2 + 0.5,)
+
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        eager = build()
+        eager_pre = train_attention(eager, None, inputs, 4)
+        model = build()
+        pre = train_attention(model, "aot_eager", inputs, 4)
+        assert list(pre.layers) == ["0.qkv", "0.proj", "1"]
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        assert_trained_alike(model, pre, eager, eager_pre)
+        assert F.linear is LINEAR
+    finally:
+        for kind in kinds:
+            unregister_layer_kind(kind.name)
