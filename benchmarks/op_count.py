@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from example_projects.models import cifar_resnet, fc_network
+from example_projects.transformers import VOCAB, CharLM, ViT
 from lightning_bnp.core import BNPPreconditioner
 
 __all__ = ["AtenOpCounter", "added_ops", "count_step_ops", "standard_models"]
@@ -82,8 +83,9 @@ def added_ops(make_model: Callable[[], nn.Module], inputs: torch.Tensor, targets
 
 
 def standard_models() -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor, torch.Tensor]]:
-    """The issue's two models and a small Transformer encoder (issue 24) on small inputs (the count does not
-    depend on the batch or image size)."""
+    """The issue's two models, a small Transformer encoder and issue 24's two benchmark Transformers (rows ``vit``
+    and ``charlm`` of ``benchmarks.overhead``) on small inputs (the count does not depend on the batch or image
+    size)."""
     g = torch.Generator().manual_seed(0)
     return {
         "FC 784-100×3": (
@@ -101,6 +103,16 @@ def standard_models() -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor, 
             ),
             torch.randn(4, 5, 16, generator=g),
             torch.randint(10, (4,), generator=g),
+        ),
+        "ViT d=64 ×2, no norm": (
+            lambda: ViT(norm="none"),
+            torch.randn(2, 1, 28, 28, generator=g),
+            torch.randint(10, (2,), generator=g),
+        ),
+        "char-LM d=128 ×2 + LN": (
+            CharLM,
+            torch.randint(VOCAB, (2, 64), generator=g),
+            torch.randint(VOCAB, (2, 64), generator=g),
         ),
         "ResNet-20 GN": (
             lambda: cifar_resnet(20, in_channels=3, norm="gn"),

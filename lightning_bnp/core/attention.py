@@ -8,9 +8,10 @@ Two layer kinds (:mod:`lightning_bnp.core.kinds`) and one capture mechanism:
   ``v_proj_weight`` when ``kdim``/``vdim`` differ from ``embed_dim``) and the matching slices of
   ``in_proj_bias``. Each block's input is the MHA forward's ``query``, ``key`` or ``value`` argument (layout
   ``batch_first`` either way: a linear layer's statistics are per feature over every leading dimension). In
-  self-attention the three are one tensor: each of the three layers reduces it (three identical sets of
-  moments, one per BNP layer; sharing them would save two reductions per forward but couple the layers'
-  bookkeeping — kept simple and exact). The layers are named ``<mha>.q``, ``<mha>.k``, ``<mha>.v``.
+  self-attention the three are one tensor, reduced once for the three layers (``_shared_moments`` in
+  :mod:`~lightning_bnp.core.preconditioner`); the step transforms the three row blocks of ``in_proj_weight`` as
+  one grouped matrix, each block with its own statistics (:meth:`~LayerKind.row_block`). The layers are named
+  ``<mha>.q``, ``<mha>.k``, ``<mha>.v``.
 * :class:`FunctionalLinearKind` — a ``nn.Linear`` child that its parent uses through ``F.linear(x,
   child.weight, child.bias)`` instead of calling it, so the child's forward hook never runs: the MHA's
   ``out_proj`` (input: the attention output), torchvision's ``ShiftedWindowAttention.qkv`` and ``.proj``
@@ -93,6 +94,9 @@ class MHAProjectionKind(LayerKind):
 
     def bias_rows(self, module: nn.Module, bias: Tensor) -> Tensor:
         return bias[self._span(module)]
+
+    def row_block(self, module: nn.Module) -> tuple[int, int] | None:
+        return (self.block, 3) if module._qkv_same_embed_dim else None
 
     def features(self, module: nn.Module) -> int:
         return int((module.embed_dim, module.kdim, module.vdim)[self.block])  # type: ignore[arg-type]

@@ -178,6 +178,14 @@ class LayerKind:
         """A bias-shaped tensor as the (out,) view matching :meth:`rows`. Identity by default."""
         return bias
 
+    def row_block(self, module: nn.Module) -> tuple[int, int] | None:
+        """``(i, n)`` where this layer's rows are block i of n equal, consecutive row blocks of a 2-D weight (and
+        of its bias), the other blocks being the layers of n − 1 sibling kinds on the same module (the q, k, v
+        blocks of ``nn.MultiheadAttention.in_proj_weight``): the step may then transform the n blocks as one
+        grouped matrix, each block with its own statistics (one kernel for the n bias updates). ``None``
+        (the default): the layer's rows are transformed on their own."""
+        return None
+
     def groups(self, module: nn.Module) -> int:
         """Convolution groups (1 for a linear layer)."""
         return 1

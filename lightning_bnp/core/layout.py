@@ -58,7 +58,8 @@ class FeatureLayout:
         # the state the previous step left (its flat vectors and the per-layer views it handed out), so that
         # the next step can start from it without concatenating the layers' tensors again
         self.last_state: tuple[Tensor, Tensor, list[tuple[Tensor, Tensor, Tensor, Tensor]]] | None = None
-        self.configs: dict[tuple[int, ...], Any] = {}  # the step's constants, per N = 1 pattern
+        self.row_runs: tuple[tuple[int, int], ...] | None = None  # row blocks of one weight (preconditioner)
+        self.configs: dict[Any, Any] = {}  # the step's constants, per N = 1 pattern and entries of the transform
         self.ceiling = torch.finfo(dtype).max * 2.0**-24  # the largest σ²_H a step stores (preconditioner._ceiling)
         self._ones = [1] * len(self.sizes)
 

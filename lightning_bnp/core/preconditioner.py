@@ -214,6 +214,10 @@ class _StepConfig:
     eps1: float
     eps2: float
     one_row: tuple[int, ...]  # layers whose σ²_H follows the N = 1 rule (or may, where the count is pooled)
+    # the transform's entries: (first layer, layers) each, a run of n > 1 layers being the n row blocks of one
+    # weight (LayerKind.row_block); their features and groups (n for such a run)
+    spans: tuple[tuple[int, int], ...]
+    sizes: tuple[int, ...]
     groups: tuple[int, ...]
 
 
@@ -244,6 +248,8 @@ def _step_math(
     ``steps_before``.
     ``counts``: (rows, samples, out positions) per layer when they were pooled over ranks (then q² is built
     here, and a layer that no rank ran keeps its state and gets M = I); else ``q2_flat`` and ``q2s`` are given.
+    ``grads_w``, ``grads_b`` and ``q2s`` are per entry of the transform (``config.spans``): one per layer, or
+    one for the n row blocks of one weight (the whole gradient and bias gradient, q² one float or (n, 1)).
 
     Returns:
         (μ, σ̃², state after, steps after, per-layer max σ²_H before saturation, q² per layer when pooled);
@@ -295,15 +301,87 @@ def _step_math(
         per_sample = counts[:, 1].clamp_min(1.0)
         q2 = torch.maximum(fan_in / per_sample, (counts[:, 2] / per_sample).sqrt())
         q2_out = torch.where(counts[:, 0] > 0, q2, 1.0).to(mu.dtype)
-        q2_flat, q2s = q2_out.index_select(0, layout.owner), list(q2_out.unbind(0))
+        q2_flat = q2_out.index_select(0, layout.owner)
+        q2s = [q2_out[i] if n == 1 else q2_out[i : i + n].view(n, 1) for i, n in config.spans]
         mu, var_t = torch.where(ran, mu, 0.0), torch.where(ran, var_t, 1.0)
         # no rank ran it (or it saw no row, e.g. an embedding fed only padding): nothing was not finite
         peak = torch.where(counts[:, 0] > 0, peak, 0.0)
     assert q2_flat is not None
-    mus = [m if grad_b is not None else None for m, grad_b in zip(layout.split(mu), grads_b)]
-    scales = layout.split(var_t * q2_flat)  # q²σ̃², all layers in one product
+    mus = [m if grad_b is not None else None for m, grad_b in zip(mu.split_with_sizes(config.sizes), grads_b)]
+    scales = (var_t * q2_flat).split_with_sizes(config.sizes)  # q²σ̃², all layers in one product
     precondition_scaled_(grads_w, grads_b, mus, scales, q2s, list(config.groups))
     return mu, var_t, after, steps, peak, q2_out
+
+
+def _whole_bias_grad(layer: _Layer) -> Tensor | None:
+    bias = layer.kind.bias(layer.module) if layer.has_bias else None
+    return None if bias is None else bias.grad
+
+
+def _row_block_runs(layers: list[_Layer]) -> tuple[tuple[int, int], ...]:
+    """Runs (first layer, n) of ``layers`` that are the n row blocks of one weight in order
+    (:meth:`LayerKind.row_block`, the q, k, v of a MultiheadAttention): fixed for a set of layers."""
+    runs, i = [], 0
+    while i < len(layers):
+        layer = layers[i]
+        block = None if layer.kind.same_rows else layer.kind.row_block(layer.module)
+        n = block[1] if block is not None and block[0] == 0 else 1
+        run = layers[i : i + n]
+        if n > 1 and len(run) == n:
+            if all(
+                other.module is layer.module and other.kind.row_block(other.module) == (j, n)
+                for j, other in enumerate(run)
+            ):
+                runs.append((i, n))
+                i += n
+                continue
+        i += 1
+    return tuple(runs)
+
+
+def _row_block_spans(
+    runs: tuple[tuple[int, int], ...],
+    ready: list[tuple[_Layer, Moments, Tensor]],
+    grads_b: list[Tensor | None],
+    q2s: list[float] | None,
+) -> tuple[tuple[int, int], ...]:
+    """The transform's entries as (first layer, layers): one per layer, except a run of n row blocks of one weight
+    (``runs``, :func:`_row_block_runs`), which the step transforms as one grouped matrix, each block with its own μ
+    and σ̃² (exact whatever their statistics are). Such a run needs one plain gradient tensor for its blocks, bias
+    gradients for all blocks or none (then one plain tensor of n·out rows), and, where q² is a host float
+    (``q2s``), one q² for the n blocks (the bias update's scalar)."""
+    if not runs:
+        return tuple((i, 1) for i in range(len(ready)))
+    spans: list[tuple[int, int]] = []
+    i = 0
+    for first, n in runs:
+        spans.extend((j, 1) for j in range(i, first))
+        i = first + n
+        if _row_blocks_fit(ready[first:i], grads_b[first:i], None if q2s is None else q2s[first:i]):
+            spans.append((first, n))
+        else:
+            spans.extend((j, 1) for j in range(first, i))
+    spans.extend((j, 1) for j in range(i, len(ready)))
+    return tuple(spans)
+
+
+def _row_blocks_fit(
+    run: list[tuple[_Layer, Moments, Tensor]], grads_b: list[Tensor | None], q2s: list[float] | None
+) -> bool:
+    first, _, grad = run[0]
+    if type(grad) is not Tensor or grad.dim() != 2 or any(g is not grad for _, _, g in run):
+        return False
+    if q2s is not None and any(q2 != q2s[0] for q2 in q2s):
+        return False
+    if all(grad_b is None for grad_b in grads_b):
+        return True
+    whole = _whole_bias_grad(first)
+    return (
+        all(grad_b is not None for grad_b in grads_b)
+        and type(whole) is Tensor
+        and tuple(whole.shape) == (grad.shape[0],)
+        and all(_whole_bias_grad(layer) is whole for layer, _, _ in run)
+    )
 
 
 def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, out: Tensor) -> Moments:
@@ -927,7 +1005,19 @@ class BNPPreconditioner(ArgumentsRepr):
             grad_b = kind.bias(layer.module).grad if layer.has_bias else None  # type: ignore[union-attr]
             grad_b = grad_b if grad_b is None or type(grad_b) is Tensor else _local_rows(layer, grad_b)
             grads_b.append(grad_b if grad_b is None or kind.same_rows else kind.bias_rows(layer.module, grad_b))
+        q2s_host: list[float] = []
+        if not pooled:
+            q2s_host = [
+                q_squared(layer.fan_in, int(m.samples), int(m.out_positions) / int(m.samples)) for layer, m, _ in ready
+            ]
+        # the q, k, v row blocks of one weight are one entry of the transform (LayerKind.row_block)
+        if layout.row_runs is None:
+            layout.row_runs = _row_block_runs([layer for layer, _, _ in ready])
+        spans = _row_block_spans(
+            layout.row_runs, ready, grads_b, None if pooled or self._compiled is not None else q2s_host
+        )
         q2s: list[Any]
+        entry_q2s: list[Any] = []
         counts = fan_in = q2_flat = None
         if pooled:
             device = moments[0].mean.device
@@ -937,22 +1027,31 @@ class BNPPreconditioner(ArgumentsRepr):
             fan_in = torch.tensor([layer.fan_in for layer, _, _ in ready], dtype=torch.float64, device=device)
             q2s = []
         else:
-            q2s = [
-                q_squared(layer.fan_in, int(m.samples), int(m.out_positions) / int(m.samples)) for layer, m, _ in ready
-            ]
+            q2s = q2s_host
             q2_flat = layout.per_layer_cached(q2s)
             if self._compiled is not None:  # tensors, so that a new q² is new data, not a recompilation
-                q2s = list(layout.per_layer_values(q2s).unbind(0))
+                values = layout.per_layer_values(q2s)
+                q2s = list(values.unbind(0))
+                entry_q2s = [q2s[i] if n == 1 else values[i : i + n].view(n, 1) for i, n in spans]
+            else:  # (the blocks of one entry have one q²: _row_block_spans)
+                entry_q2s = [q2s[i] for i, _ in spans]
         math_fn = _step_math if self._compiled is None or pooled else self._compiled
-        config = layout.configs.get(one_row)  # built once per layout and N = 1 pattern
+        config = layout.configs.get((one_row, spans))  # built once per layout, N = 1 pattern and entries
         if config is None:
-            groups = tuple(layer.groups for layer, _, _ in ready)
-            config = _StepConfig(running, self.bias_correction, self.rho, self.eps1, self.eps2, one_row, groups)
-            layout.configs[one_row] = config
+            sizes = tuple(sum(layout.sizes[i : i + n]) for i, n in spans)
+            groups = tuple(ready[i][0].groups if n == 1 else n for i, n in spans)
+            config = _StepConfig(
+                running, self.bias_correction, self.rho, self.eps1, self.eps2, one_row, spans, sizes, groups
+            )
+            layout.configs[(one_row, spans)] = config
+        entry_w, entry_b = grads_w, grads_b
+        if len(spans) < len(ready):  # a run of row blocks: its whole gradient and bias gradient
+            entry_w = [grads_w[i] if n == 1 else ready[i][2] for i, n in spans]
+            entry_b = [grads_b[i] if n == 1 else _whole_bias_grad(ready[i][0]) for i, n in spans]
         means, variances = [m.mean for m in moments], [m.var for m in moments]
         mu, var_t, after, steps, peak, q2_out = math_fn(
-            layout, config, means, variances, running_mus, before, steps_before, counts, fan_in, q2_flat, q2s,
-            grads_w, grads_b,
+            layout, config, means, variances, running_mus, before, steps_before, counts, fan_in, q2_flat, entry_q2s,
+            entry_w, entry_b,
         )  # fmt: skip
         if pooled:
             q2s = list(q2_out.unbind(0))

@@ -349,7 +349,8 @@ def _per_channel_mean_var(x: Tensor) -> tuple[Tensor, Tensor]:
     if torch.compiler.is_compiling() or x.device.type not in _FUSED_KERNEL_DEVICES:
         var, mean = torch.var_mean(x, [0, *range(2, x.dim())], correction=0)
         return mean, var
-    mean, var = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
+    # (the torch.* binding: ~1.5 µs less host time per call than the torch.ops.aten packet, the same kernel)
+    mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
     if x.dim() == 2:
         # ATen's 2-D (rows, features) kernel sums the mean in float32 one row after another (a few ULPs off
         # when |μ| ≫ σ); ``mean(0)``'s cascade sum is exact to an ULP. The variance is centred on the

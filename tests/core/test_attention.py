@@ -222,3 +222,57 @@ def test_a_copy_of_an_attention_model_never_feeds_the_originals_statistics() -> 
     twin(x, x, x)[0].sum().backward()
     assert all(layer.moments is not None for layer in own.layers.values())
     assert all(layer.moments is None for layer in pre.layers.values())
+
+
+@pytest.mark.parametrize("case", ["bias-corrected", "paper-view", "compiled-step", "mask-on-q-only"])
+def test_qkv_blocks_transformed_as_one_keep_each_blocks_own_statistics(case: str) -> None:
+    """Issue 24: the step transforms the q, k, v row blocks of ``in_proj_weight`` as one grouped matrix (one bias
+    update for the three). Each block keeps its own μ, σ̃² and q²: with different running states loaded into q, k
+    and v (and, for ``mask-on-q-only``, a token mask on the query's block alone, so that q's N and q² differ from
+    k's and v's: counts on the device), the gradients equal those of BNP on the four-Linear twin with the same
+    states, block by block."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, HEADS, batch_first=True)
+    model, twin = Wrapped(mha, False).double(), Twin(mha).double()
+    options = {"rho": 0.5, "bias_correction": case != "paper-view"}
+    pre, pre_twin = BNPPreconditioner(model, **options), BNPPreconditioner(twin, **options)  # type: ignore[arg-type]
+    if case == "compiled-step":
+        pre.compile_step(backend="aot_eager")
+    g = torch.Generator().manual_seed(2)
+    state, state_twin = pre.state_dict(), pre_twin.state_dict()
+    for i, block in enumerate("qkv"):  # a different state per block
+        layer = {
+            "mean_acc": torch.randn(E, generator=g, dtype=torch.float64) * (i + 1),
+            "var_acc": torch.rand(E, generator=g, dtype=torch.float64) * 3 + 0.1 * (i + 1),
+            "steps": 2 + 3 * i,
+        }
+        state["layers"][f"attn.{block}"] = {**state["layers"][f"attn.{block}"], **layer}
+        state_twin["layers"][block] = {**state_twin["layers"][block], **layer}
+        state_twin["layers"][block].pop("decay", None)
+        state["layers"][f"attn.{block}"].pop("decay", None)
+    pre.load_state_dict(state)
+    pre_twin.load_state_dict(state_twin)
+    x = torch.randn(2, 3, E, generator=g, dtype=torch.float64) * 2 + 0.5
+    target = torch.randn(2, 3, E, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    for net, p, q_name in ((model, pre, "attn.q"), (twin, pre_twin, "q")):
+        net.zero_grad()
+        if case == "mask-on-q-only":
+            with p.token_mask(mask, layers=q_name):
+                F.mse_loss(net(x, x, x, None, None), target).backward()
+        else:
+            F.mse_loss(net(x, x, x, None, None), target).backward()
+        p.step()
+    assert mha.in_proj_weight.grad is not None and mha.in_proj_bias.grad is not None
+    # the three blocks were one entry of the transform
+    assert [n for layout in pre._layouts.values() for config in layout.configs.values() for _, n in config.spans] == [
+        3,
+        1,
+    ]
+    for i, lin in enumerate((twin.q, twin.k, twin.v)):
+        rows = slice(i * E, (i + 1) * E)
+        torch.testing.assert_close(mha.in_proj_weight.grad[rows], lin.weight.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(mha.in_proj_bias.grad[rows], lin.bias.grad, rtol=1e-10, atol=1e-12)
+    q2 = [pre.layers[f"attn.{block}"].transform.q2 for block in "qkv"]  # type: ignore[union-attr]
+    if case == "mask-on-q-only":  # q's 3 real rows against k's and v's 6: q² = max(E/N, 1) differs
+        assert float(q2[0]) == E / 3 and float(q2[1]) == float(q2[2]) == E / 6
