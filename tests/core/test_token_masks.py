@@ -188,6 +188,12 @@ def test_a_mask_that_does_not_fit_a_layer_names_the_layer_and_both_shapes() -> N
         pre.set_token_mask(mask, layers="encoder.*")
     with pytest.raises(TypeError, match=r"`mask` must be a bool tensor .* got a tensor of dtype torch.float32"):
         pre.set_token_mask(mask.float())
+    with pytest.raises(TypeError, match=r"`mask` must be a bool tensor \(True = real token\) .* got list$"):
+        pre.set_token_mask([[True, False]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`mask` needs the leading dimensions .* got shape \(\)$"):
+        pre.set_token_mask(torch.tensor(True))
+    pre.set_token_mask(mask[0])  # one dimension is a mask (for a (T, F) input); it is checked at the forward
+    pre.set_token_mask(None)
 
 
 def test_a_masked_step_reads_nothing_back_from_the_device() -> None:
