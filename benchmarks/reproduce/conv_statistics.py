@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from benchmarks import overhead
 from benchmarks.reproduce.runs import Job, Run, build, data, runs_of
+from benchmarks.reproduce.sections import splice_section
 from benchmarks.reproduce.selection import fmt_range, mean
 from benchmarks.reproduce.settings import Setting
 from example_projects.models import cifar_resnet, cnn5
@@ -304,11 +305,4 @@ def _listed(names: list[str]) -> str:
 
 def splice(report: str, lines: list[str]) -> str:
     """``report`` with this section replaced by ``lines`` (or inserted before the closing run summary)."""
-    body = "\n".join(lines)
-    text = report.splitlines()
-    start = next((i for i, line in enumerate(text) if line.startswith(HEADER)), None)
-    if start is not None:
-        end = next((i for i in range(start + 1, len(text)) if text[i].startswith("## ") or text[i] == "---"), len(text))
-        return "\n".join([*text[:start], body, "", *text[end:]]).rstrip("\n") + "\n"
-    footer = next((i for i, line in enumerate(text) if line == "---"), len(text))
-    return "\n".join([*text[:footer], body, "", *text[footer:]]).rstrip("\n") + "\n"
+    return splice_section(report, HEADER, lines)

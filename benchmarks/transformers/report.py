@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.reproduce.plotting import curves, plt_module, save_png
+from benchmarks.reproduce.sections import splice_section
 from benchmarks.transformers.runs import CHANCE, Job, Run, Setting
 
 HEADER = "## 7. Transformers"
@@ -221,15 +222,8 @@ def plot(by_setting: dict[Setting, dict[str, Choice]], path: Path) -> None:
 
 
 def splice(report: str, lines: list[str]) -> str:
-    """``report`` with §7 replaced by ``lines`` (or inserted before the closing run summary, ``---``)."""
-    body = "\n".join(lines)
-    text = report.splitlines()
-    start = next((i for i, line in enumerate(text) if line.startswith(HEADER)), None)
-    if start is not None:
-        end = next((i for i in range(start + 1, len(text)) if text[i].startswith("## ") or text[i] == "---"), len(text))
-        return "\n".join([*text[:start], body, "", *text[end:]]).rstrip("\n") + "\n"
-    footer = next((i for i, line in enumerate(text) if line == "---"), len(text))
-    return "\n".join([*text[:footer], body, "", *text[footer:]]).rstrip("\n") + "\n"
+    """``report`` with §7 replaced by ``lines`` (or inserted before the closing run summary)."""
+    return splice_section(report, HEADER, lines)
 
 
 def extract(report: str) -> list[str]:
