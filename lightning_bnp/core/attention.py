@@ -40,7 +40,10 @@ gradients, when BNP records nothing.
 
 from __future__ import annotations
 
+import inspect
+import re
 import sys
+import textwrap
 import threading
 import types
 import weakref
@@ -59,6 +62,7 @@ __all__ = [
     "MHAOutProjKind",
     "MHAProjectionKind",
     "capturing",
+    "inferred_functional_linears",
     "register_functional_linear",
 ]
 
@@ -298,6 +302,42 @@ def register_functional_linear(
     kinds = [FunctionalLinearKind(parent_type, child) for child in children]
     for kind in kinds:
         register_layer_kind(kind)
+    return kinds
+
+
+_WEIGHT_READ = re.compile(r"\bself\.([A-Za-z_]\w*)\.weight\b")
+
+
+_READ_NOT_CALLED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _weights_read_not_called(parent_type: type[nn.Module]) -> frozenset[str]:
+    """Attributes ``a`` whose ``self.a.weight`` the source of ``parent_type.forward`` reads while it never calls
+    ``self.a(...)``; empty when the source cannot be read (a class made by ``exec``, a C extension). Read once
+    per class."""
+    found = _READ_NOT_CALLED.get(parent_type)
+    if found is None:
+        try:
+            source = textwrap.dedent(inspect.getsource(parent_type.forward))
+        except (OSError, TypeError):
+            source = ""
+        read = set(_WEIGHT_READ.findall(source))
+        found = frozenset(a for a in read if not re.search(rf"\bself\.{a}\s*\(", source))
+        _READ_NOT_CALLED[parent_type] = found
+    return found
+
+
+def inferred_functional_linears(module: nn.Module, claimed: frozenset[int] = frozenset()) -> list[FunctionalLinearKind]:
+    """Kinds for the ``nn.Linear`` children that ``module``'s forward uses through their weight without calling
+    them (``F.linear(x, self.proj.weight, self.proj.bias)``, or the weight passed on to a function that does),
+    read from the source of its class's ``forward``: their inputs are then captured from the ``F.linear`` calls
+    made with that weight while ``module`` runs, as for a parent made known with :func:`register_functional_linear`
+    (issue 24, item 2). A child whose ``id`` is in ``claimed`` (a registered kind feeds it) is left out."""
+    kinds = []
+    for child in sorted(_weights_read_not_called(type(module))):
+        linear = module._modules.get(child)
+        if isinstance(linear, nn.Linear) and id(linear) not in claimed:
+            kinds.append(FunctionalLinearKind(type(module), child))
     return kinds
 
 

@@ -7,8 +7,9 @@ reason a user can act on: a layer type BNP does not know (naming the module clas
 ``include``/``exclude`` dropped (also some row blocks of a packed weight), a frozen weight, a parametrization
 BNP does not follow, an embedding left out (``embeddings=False``) or a positional parameter. A Linear whose
 parent calls ``F.linear`` with its weight is transformed when its parent is known
-(:mod:`lightning_bnp.core.attention`); for an unknown parent that cannot be seen before a forward runs, and the
-first step warns naming the layer.
+(:mod:`lightning_bnp.core.attention`) or its parent's ``forward`` source shows it
+(:func:`~lightning_bnp.core.attention.inferred_functional_linears`); where neither can be seen before a forward
+runs, the first step warns naming the layer.
 """
 
 from __future__ import annotations

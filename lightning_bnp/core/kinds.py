@@ -419,6 +419,14 @@ def select_layer_kinds(
     found = {name: (m, [k for k in kinds_of(m, known) if k in kinds]) for name, m in model.named_modules()}
     # a module another kind feeds in its place (a Linear its parent calls through F.linear) is that kind's
     claimed = {id(c) for m, ks in found.values() for k in ks for c in k.claims(m)}
+    if LINEAR_FAMILY in layer_types:  # and so is a Linear an unknown parent uses that way (read from its source)
+        from lightning_bnp.core.attention import inferred_functional_linears
+
+        known_claims = frozenset(claimed)
+        for m, ks in found.values():
+            inferred = inferred_functional_linears(m, known_claims)
+            ks.extend(inferred)
+            claimed |= {id(c) for k in inferred for c in k.claims(m)}
     candidates = {name: m for name, (m, ks) in found.items() if ks and id(m) not in claimed}
     # patterns match a module's name or a layer's (module name + suffix: `attn.q`, `attn.out_proj`)
     names = {name: [name + k.suffix for k in found[name][1]] for name in candidates}

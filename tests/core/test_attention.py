@@ -276,3 +276,77 @@ def test_qkv_blocks_transformed_as_one_keep_each_blocks_own_statistics(case: str
     q2 = [pre.layers[f"attn.{block}"].transform.q2 for block in "qkv"]  # type: ignore[union-attr]
     if case == "mask-on-q-only":  # q's 3 real rows against k's and v's 6: q² = max(E/N, 1) differs
         assert float(q2[0]) == E / 3 and float(q2[1]) == float(q2[2]) == E / 6
+
+
+def _project(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """A helper a parent hands its Linear's weight to (as torchvision's Swin hands ``qkv.weight`` on)."""
+    return F.linear(x, weight, bias)
+
+
+class UnknownFunctionalParent(nn.Module):
+    """A parent no layer kind names that uses its Linears only through their weights: ``F.linear`` directly, and
+    a helper that calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(6, 12), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).chunk(3, dim=-1)
+        attn = (q @ k.transpose(-1, -2)).softmax(-1) @ v
+        return _project(attn, self.proj.weight, self.proj.bias)
+
+
+class CalledTwin(UnknownFunctionalParent):
+    """The same computation with the Linears called (BNP's plain Linear kind, the reference)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.proj((q @ k.transpose(-1, -2)).softmax(-1) @ v)
+
+
+def test_a_linear_an_unknown_parent_uses_through_f_linear_is_preconditioned_exactly() -> None:
+    """Issue 24, item 2: with no kind registered for the parent, BNP reads from the parent's source that it uses
+    ``self.qkv.weight`` / ``self.proj.weight`` without calling the Linears, captures their ``F.linear`` calls, and
+    transforms both — equal to BNP on the twin that calls them, with no warning."""
+    from lightning_bnp.core.attention import FunctionalLinearKind
+
+    torch.manual_seed(0)
+    model, twin = UnknownFunctionalParent(), CalledTwin()
+    twin.load_state_dict(model.state_dict())
+    pre, pre_twin = BNPPreconditioner(model), BNPPreconditioner(twin)
+    assert {name: type(layer.kind) for name, layer in pre.layers.items()} == {
+        ".qkv": FunctionalLinearKind,  # at the root: the parent's name "" + the kind's suffix, as for an MHA
+        ".proj": FunctionalLinearKind,
+    }
+    assert pre.report() == "BNP transforms 2 of the model's 2 trainable weight matrices"
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)
+        for step in range(3):
+            x = torch.randn(4, 5, 6) * (step + 1) + 2.0
+            for m, p, opt in zip((model, twin), (pre, pre_twin), optimizers):
+                opt.zero_grad()
+                m(x).square().sum().backward()
+                p.step()
+                opt.step()
+    for name, p in twin.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name], p, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pre.layers[".proj"].running.var, pre_twin.layers["proj"].running.var)
+    assert pre.layers[".qkv"].running.steps == 3
+
+
+def test_a_parent_that_calls_its_linear_keeps_the_plain_linear_kind() -> None:
+    """Reading ``self.fc.weight`` (here for a penalty) while calling ``self.fc(x)``: the Linear's own hook sees
+    every call, so BNP keeps the plain Linear kind."""
+
+    class Penalized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fc(x) + self.fc.weight.square().sum()
+
+    pre = BNPPreconditioner(Penalized())
+    assert [(name, layer.kind.name) for name, layer in pre.layers.items()] == [("fc", "Linear")]
