@@ -440,7 +440,7 @@ def test_a_vector_of_norm_exactly_eps_is_left_as_it_is(path: str, create_graph: 
     norm and the projected gradient; in the forward, the backward, and the backward under ``create_graph``."""
     eps = 0.5  # ‖(0.5, 0)‖² = 0.25 = ε² exactly in floating point
     weight = torch.tensor([[0.5, 0.36, 3.0, 0.0], [0.0, 0.48, 4.0, 0.0]], dtype=torch.float64)
-    grad_out = torch.tensor([[1.0, -2.0, 0.5, 3.0], [2.0, 1.5, -1.0, -1.0]], dtype=torch.float64)
+    grad_out = torch.tensor([[1.0, -2.0, 0.5, 3.0], [2.0, 2.5, -1.0, -1.0]], dtype=torch.float64)
     want_y, want_grad = explicit_row_vjp(weight, grad_out, eps)
     torch.testing.assert_close(want_y[:, 1:3], torch.tensor([[0.6, 0.6], [0.8, 0.8]], dtype=torch.float64))
     for mode, w0, g0, y0, gw0 in (
