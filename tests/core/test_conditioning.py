@@ -573,12 +573,13 @@ def test_applying_to_a_partly_conditioned_model_conditions_the_rest() -> None:
 
 
 def test_a_layer_without_a_plain_weight_is_refused_with_the_reason() -> None:
-    lazy = "layer '' has no `weight` parameter to condition: it is an uninitialised lazy layer (run one forward pass first)"
+    head = "layer '' has no `weight` parameter to condition: "
+    lazy = head + "it is an uninitialised lazy layer (run one forward pass first)"
     with pytest.raises(ValueError, match=re.escape(lazy)):
         apply_weight_conditioning(nn.LazyLinear(3))
     no_weight = nn.Linear(3, 2)
     no_weight.register_parameter("weight", None)
-    message = "layer '' has no `weight` parameter to condition: its weight is not a parameter; WeightConditioning needs a plain one"
+    message = head + "its weight is not a parameter; WeightConditioning needs a plain one"
     with pytest.raises(ValueError, match=re.escape(message)):
         apply_weight_conditioning(no_weight)
 
