@@ -158,7 +158,7 @@ def test_all_reduce_mean_averages_over_ranks_in_one_flat_collective(monkeypatch:
 
     from lightning_bnp.core.regularization import all_reduce_mean_
 
-    other = torch.arange(10, dtype=torch.float64)
+    other = torch.arange(12, dtype=torch.float64)
     collectives: list[int] = []
 
     def all_reduce(flat: torch.Tensor) -> None:
@@ -168,14 +168,16 @@ def test_all_reduce_mean_averages_over_ranks_in_one_flat_collective(monkeypatch:
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     a, b = torch.ones(2, 3, dtype=torch.float64), torch.full((4,), 3.0, dtype=torch.float64)
+    c = torch.full((2,), 5.0, dtype=torch.float64)  # a third piece: its offset is 6 + 4, not 4
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
-    all_reduce_mean_([a, b])  # one rank: nothing to do
+    all_reduce_mean_([a, b, c])  # one rank: nothing to do
     assert collectives == [] and torch.equal(a, torch.ones(2, 3, dtype=torch.float64))
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    all_reduce_mean_([a, b])
-    assert collectives == [10]
+    all_reduce_mean_([a, b, c])
+    assert collectives == [12]
     torch.testing.assert_close(a, (1 + other[:6].view(2, 3)) / 2, rtol=0, atol=0)
-    torch.testing.assert_close(b, (3 + other[6:]) / 2, rtol=0, atol=0)
+    torch.testing.assert_close(b, (3 + other[6:10]) / 2, rtol=0, atol=0)
+    torch.testing.assert_close(c, (5 + other[10:]) / 2, rtol=0, atol=0)
 
 
 def test_z_weight_decay_bias_term_stays_on_the_device_of_its_input() -> None:
