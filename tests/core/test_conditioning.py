@@ -4,6 +4,7 @@ Van der Sluis (Thm. 5.1 / Prop. 1), selection, idempotence, baking, compile."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -414,6 +415,173 @@ def test_bake_keeps_outputs_and_removes_every_parametrization(mode: str) -> None
     plain.load_state_dict(net.state_dict())  # plain `weight` keys again
     torch.testing.assert_close(plain(x), before, rtol=0, atol=0)
     assert bake_weight_conditioning(net) == []
+
+
+# ------------------------------------------------------------------ pins found by mutation testing (issue 27)
+def explicit_row_vjp(weight: Tensor, grad_out: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Row mode column by column: y = w/‖w‖ and w̄ = (ȳ − y·(yᵀȳ))/‖w‖ where ‖w‖ > ε, else y = w and w̄ = ȳ."""
+    ys, grads = [], []
+    for j in range(weight.shape[1]):
+        w, g = weight[:, j], grad_out[:, j]
+        n = math.sqrt(sum(float(v) ** 2 for v in w))
+        if n > eps:
+            y = w / n
+            ys.append(y)
+            grads.append((g - y * float(y @ g)) / n)
+        else:
+            ys.append(w)
+            grads.append(g)
+    return torch.stack(ys, dim=1), torch.stack(grads, dim=1)
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_a_vector_of_norm_exactly_eps_is_left_as_it_is(path: str, create_graph: bool) -> None:
+    """ε is a threshold: norm ≤ ε keeps the vector and an identity Jacobian, norm > ε (also below 1) gets unit
+    norm and the projected gradient; in the forward, the backward, and the backward under ``create_graph``."""
+    eps = 0.5  # ‖(0.5, 0)‖² = 0.25 = ε² exactly in floating point
+    weight = torch.tensor([[0.5, 0.36, 3.0, 0.0], [0.0, 0.48, 4.0, 0.0]], dtype=torch.float64)
+    grad_out = torch.tensor([[1.0, -2.0, 0.5, 3.0], [2.0, 2.5, -1.0, -1.0]], dtype=torch.float64)
+    want_y, want_grad = explicit_row_vjp(weight, grad_out, eps)
+    torch.testing.assert_close(want_y[:, 1:3], torch.tensor([[0.6, 0.6], [0.8, 0.8]], dtype=torch.float64))
+    for mode, w0, g0, y0, gw0 in (
+        ("row", weight, grad_out, want_y, want_grad),
+        ("column", weight.T, grad_out.T, want_y.T, want_grad.T),  # PyTorch rows: the same vectors
+    ):
+        w = w0.clone().requires_grad_()
+        y = equilibrate(w, mode, eps=eps)  # type: ignore[arg-type]
+        torch.testing.assert_close(y, y0, rtol=1e-14, atol=1e-15, msg=mode)
+        (grad,) = torch.autograd.grad(y, w, g0, create_graph=create_graph)
+        torch.testing.assert_close(grad, gw0, rtol=1e-12, atol=1e-14, msg=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_norms_are_float32_accurate_under_and_outside_autocast(mode: str, path: str) -> None:
+    """The norms inside the equilibration are never taken in bfloat16, autocast or not: the float32 result
+    matches the float64 paper formula to float32 rounding (a bfloat16 norm is off by ~1e-3)."""
+    torch.manual_seed(0)
+    weight = torch.randn(6, 5) * torch.logspace(-1, 1, 5)
+    want = paper_formula(weight.double(), mode).float()
+    torch.testing.assert_close(equilibrate(weight, mode), want, rtol=2e-6, atol=1e-7)  # type: ignore[arg-type]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = equilibrate(weight, mode)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, want, rtol=2e-6, atol=1e-7)
+
+
+def test_defaults_are_row_mode_and_eps_1e_12(path: str) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(equilibrate(weight), weight / weight.norm(dim=0, keepdim=True))  # the docstring's
+    parametrization = Equilibration()
+    assert (parametrization.mode, parametrization.eps) == ("row", 1e-12)
+    torch.testing.assert_close(parametrization(weight), weight / weight.norm(dim=0, keepdim=True))
+
+
+def test_eps_reaches_the_parametrization() -> None:
+    """``eps`` given to Equilibration / apply_weight_conditioning is the one the forward uses: a vector of norm
+    1e-3 < ε = 1e-2 is left as it is (with the default ε = 1e-12 it would be scaled to unit norm)."""
+    weight = torch.tensor([[3.0, 1e-3], [4.0, 0.0]], dtype=torch.float64)
+    out = Equilibration("row", eps=1e-2)(weight)
+    assert torch.equal(out[:, 1], weight[:, 1])
+    layer = nn.Linear(2, 2, bias=False).double()
+    layer.weight = nn.Parameter(weight.clone())
+    apply_weight_conditioning(layer, eps=1e-2)
+    assert layer.parametrizations.weight[0].eps == 1e-2
+    assert torch.equal(layer.weight[:, 1], weight[:, 1])
+    torch.testing.assert_close(layer.weight[:, 0], torch.tensor([0.6, 0.8], dtype=torch.float64))
+
+
+def test_weights_of_at_least_fused_min_numel_elements_use_the_custom_function() -> None:
+    """The documented threshold: 2¹⁴ elements and more go through ``_Equilibrate`` (its analytic backward)."""
+
+    def uses_custom_function(weight: Tensor) -> bool:
+        seen, stack = set(), [equilibrate(weight.requires_grad_()).grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            if "_Equilibrate" in type(fn).__name__:
+                return True
+            stack.extend(f for f, _ in fn.next_functions)
+        return False
+
+    assert conditioning.FUSED_MIN_NUMEL == 2**14
+    assert uses_custom_function(torch.randn(128, 128))  # exactly 2¹⁴
+    assert not uses_custom_function(torch.randn(127, 129))  # 2¹⁴ − 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_weights_whose_squares_overflow_are_equilibrated_in_float32(mode: str, path: str) -> None:
+    """300² = 9e4 > 65504 (the largest float16): the norms must be taken in float32, else they overflow to inf
+    and the conditioned weight is 0."""
+    weight = torch.tensor([[300.0, -200.0, 250.0], [240.0, 310.0, -150.0]], dtype=torch.float16)
+    out = equilibrate(weight, mode)  # type: ignore[arg-type]
+    assert out.dtype == torch.float16
+    assert torch.equal(out, equilibrate(weight.float(), mode).half())  # type: ignore[arg-type]
+    unit = out.float().norm(dim=0 if mode == "row" else 1)
+    torch.testing.assert_close(unit, torch.ones_like(unit), rtol=2e-3, atol=0)
+
+
+def test_zero_norm_count_counts_the_vectors_the_first_step_normalises() -> None:
+    """row and row_column normalise PyTorch columns first (input features), column PyTorch rows; norms ≤ ε count."""
+    weight = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0]])  # 1 zero column, 2 rows
+    assert zero_norm_count(weight) == 1  # default: row
+    assert [zero_norm_count(weight, m) for m in MODES] == [1, 2, 1]  # type: ignore[arg-type]
+    three_four = torch.tensor([[3.0], [4.0]])  # one column of norm exactly 5
+    assert zero_norm_count(three_four, "row", eps=5.0) == 1  # ≤ ε
+    assert zero_norm_count(three_four, "row", eps=4.999) == 0
+    # float16 norms are taken in float32: ‖(2048, 64)‖ = 2048.9998, which float16 rounds to 2048 ≤ 2048.5
+    half = torch.tensor([[2048.0], [64.0]], dtype=torch.float16)
+    assert zero_norm_count(half, "row", eps=2048.5) == 0
+    assert zero_norm_count(half, "row", eps=2049.5) == 1
+
+
+def test_condition_number_is_taken_in_float64_and_infinite_when_rank_deficient() -> None:
+    assert condition_number(torch.zeros(3, 2)) == math.inf  # σ_max = σ_min = 0
+    assert condition_number(torch.tensor([[2.0, 0.0], [0.0, 0.0]])) == math.inf
+    torch.testing.assert_close(condition_number(torch.tensor([[2.0, 0.0], [0.0, 0.5]])), 4.0)
+    # a float32 matrix with κ ≈ 1e6: float32 SVD gets σ_min wrong by ~10 %, float64 to ~1e-10
+    c, s = math.cos(0.3), math.sin(0.3)
+    rot = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
+    w32 = (rot @ torch.diag(torch.tensor([1.0, 1e-6], dtype=torch.float64)) @ rot.T).float()
+    sv = torch.linalg.svdvals(w32.double())
+    assert condition_number(w32) == pytest.approx(float(sv[0] / sv[1]), rel=1e-8)
+
+
+def test_a_layer_with_another_parametrized_tensor_is_conditioned() -> None:
+    """A parametrization on the bias is no Weight Conditioning, and does not stop conditioning the weight."""
+
+    class Double(nn.Module):
+        def forward(self, t: Tensor) -> Tensor:
+            return 2 * t
+
+    layer = nn.Linear(3, 2)
+    parametrize.register_parametrization(layer, "bias", Double())
+    assert conditioned_layers(layer) == {}
+    assert list(apply_weight_conditioning(layer)) == [""]
+    assert list(conditioned_layers(layer)) == [""]
+    torch.testing.assert_close(layer.weight.norm(dim=0), torch.ones(3))
+
+
+def test_applying_to_a_partly_conditioned_model_conditions_the_rest() -> None:
+    net = make_mlp()
+    apply_weight_conditioning(net, include=["0"])
+    assert list(conditioned_layers(net)) == ["0"]
+    assert list(apply_weight_conditioning(net)) == ["0", "2"]
+    assert list(conditioned_layers(net)) == ["0", "2"]
+    assert len(net[0].parametrizations.weight) == 1
+
+
+def test_a_layer_without_a_plain_weight_is_refused_with_the_reason() -> None:
+    head = "layer '' has no `weight` parameter to condition: "
+    lazy = head + "it is an uninitialised lazy layer (run one forward pass first)"
+    with pytest.raises(ValueError, match=re.escape(lazy)):
+        apply_weight_conditioning(nn.LazyLinear(3))
+    no_weight = nn.Linear(3, 2)
+    no_weight.register_parameter("weight", None)
+    message = head + "its weight is not a parameter; WeightConditioning needs a plain one"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        apply_weight_conditioning(no_weight)
 
 
 # ------------------------------------------------------------------ torch.compile

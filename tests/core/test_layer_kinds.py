@@ -252,3 +252,40 @@ def test_the_conv1d_kind_does_not_import_transformers(monkeypatch: pytest.Monkey
     assert kind.module_types() == ()
     BNPPreconditioner(nn.Linear(2, 2), layer_types=["Linear", "transformers.Conv1D"]).detach()
     assert "transformers.pytorch_utils" not in sys.modules
+
+
+def test_step_transform_reproduces_the_steps_own_transform_on_a_grouped_convolution() -> None:
+    """Applied to the raw gradient of the latest step, the stored M gives what the step made of it (the
+    groups of the convolution included: μ and σ̃² per input channel of the layer's own group)."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, 3, groups=2).double()
+    pre = BNPPreconditioner(conv)
+    x = torch.randn(5, 4, 6, 6, dtype=torch.float64) * torch.tensor([1.0, 3.0, 0.5, 2.0]).double().view(1, 4, 1, 1)
+    conv(x + 1).square().sum().backward()
+    raw_w, raw_b = conv.weight.grad.clone(), conv.bias.grad.clone()  # type: ignore[union-attr]
+    pre.step()
+    transform = pre.layers[""].transform
+    assert transform is not None and transform.mu is not None and transform.groups == 2
+    transform.apply_(raw_w, raw_b)
+    torch.testing.assert_close(raw_w, conv.weight.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(raw_b, conv.bias.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_step_transform_without_a_bias_vector_maps_the_weight_alone() -> None:
+    """``vec_b=None`` on a centred layer is M applied to (vec_w, 0): the weight part is vec_w / (q²σ̃²), and the
+    kind's bias view is not asked for (the q block of an attention: a slice of its in_proj bias)."""
+    torch.manual_seed(0)
+    E = 4
+    net = nn.Module()
+    net.attn = nn.MultiheadAttention(E, 2, batch_first=True).double()
+    pre = BNPPreconditioner(net, layer_types=["MultiheadAttention.q"])
+    x = torch.randn(3, 5, E, dtype=torch.float64) + 0.5
+    net.attn(x, x, x, need_weights=False)[0].square().sum().backward()
+    pre.step()
+    transform = pre.layers["attn.q"].transform
+    assert transform is not None and transform.mu is not None
+    vec = torch.randn(3 * E, E, dtype=torch.float64)
+    want = vec.clone()
+    want[:E] /= transform.q2 * transform.var_t
+    transform.apply_(vec, None)
+    torch.testing.assert_close(vec, want, rtol=1e-12, atol=1e-12)

@@ -235,3 +235,22 @@ def test_loading_statistics_of_another_shape_names_the_shape_not_conv_statistics
     conv = BNPPreconditioner(nn.Conv2d(2, 3, 3), conv_statistics="column")
     with pytest.raises(ValueError, match="conv_statistics"):  # the other conv_statistics is still named
         conv.load_state_dict(BNPPreconditioner(nn.Conv2d(2, 3, 3)).state_dict())
+
+
+# ------------------------------------------------------------------ pins found by mutation testing (issue 27)
+def test_a_parametrization_on_another_tensor_does_not_hide_the_plain_weight() -> None:
+    """A layer whose own extra tensor is parametrized (not its weight, not its bias) keeps ``weight`` as its leaf;
+    a layer whose weight is registered as None has no leaf (NO_LEAF, not None)."""
+    from lightning_bnp.core.layers import NO_LEAF, weight_leaf
+
+    class Double(nn.Module):
+        def forward(self, t: Tensor) -> Tensor:
+            return 2 * t
+
+    layer = nn.Linear(3, 2)
+    layer.register_parameter("scale", nn.Parameter(torch.ones(2)))
+    parametrize.register_parametrization(layer, "scale", Double())
+    assert weight_leaf(layer) is layer._parameters["weight"]
+    no_weight = nn.Linear(3, 2)
+    no_weight.register_parameter("weight", None)
+    assert weight_leaf(no_weight) is NO_LEAF

@@ -81,3 +81,8 @@ def test_check_patterns() -> None:
         check_patterns("include", 3)
     with pytest.raises(TypeError, match=r"`exclude` must be a string or a list of strings, got \['fc', 3\]"):
         check_patterns("exclude", ["fc", 3])
+
+
+def test_check_int_without_a_bound_names_no_bound() -> None:
+    with pytest.raises(TypeError, match=r"^`n` must be an integer, got 'a' \(str\)$"):
+        check_int("n", "a")

@@ -1,0 +1,19 @@
+"""``select_layers`` on its own (BNP and Weight Conditioning check their arguments before calling it; here it
+is called directly, as a public helper): its argument errors name the argument and the value."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lightning_bnp.core.selection import select_layers
+
+
+@pytest.mark.parametrize("name", ["include", "exclude"])
+def test_select_layers_names_the_pattern_argument_it_refuses(name: str) -> None:
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    with pytest.raises(ValueError, match=rf"^`{name}` must be None or a non-empty list of patterns, got \[\]$"):
+        select_layers(model, ["Linear"], **{name: []})
+    with pytest.raises(TypeError, match=rf"^`{name}` must be a string or a list of strings, got 3$"):
+        select_layers(model, ["Linear"], **{name: 3})
+    assert list(select_layers(model, "Linear", **{name: "0"})) == (["0"] if name == "include" else ["1"])
