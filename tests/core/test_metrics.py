@@ -307,3 +307,28 @@ def test_effective_learning_rate() -> None:
     w, b = torch.tensor([[3.0, 0.0], [0.0, 1.0]]), torch.tensor([4.0, 0.0])
     assert M.effective_learning_rate(w, b, 0.1, 2) == pytest.approx(0.1 / ((25.0 + 1.0) / 2))
     assert M.effective_learning_rate(w, None, 0.1, 1) == pytest.approx(0.1 / 10.0)
+
+
+def test_landscape_probe_at_a_minimum_with_k_zero_and_with_a_partial_direction() -> None:
+    """β = max over k ≠ 0 of ‖∇L(θ − kd) − ∇L(θ)‖ / (k‖d‖), NaN where no ratio is defined (d = 0 at a minimum); a
+    k = 0 contributes no ratio, wherever it is in ``steps`` (it used to make β NaN when it came first). Tensors
+    without a direction entry stay where they are."""
+    f64 = torch.float64
+
+    def quartic(p: dict[str, Tensor]) -> Tensor:  # L = t⁴/4 + s²: ∇_t L = t³
+        return (p["t"] ** 4).sum() / 4 + (p["s"] ** 2).sum()
+
+    def direction(g: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"t": 0.1 * g["t"]}
+
+    at_min = M.landscape_probe(
+        quartic, {"t": torch.zeros(1, dtype=f64), "s": torch.zeros(1, dtype=f64)}, direction, [1.0, 2.0]
+    )
+    assert at_min.loss_range == 0.0 and at_min.grad_change == 0.0 and math.isnan(at_min.beta_smoothness)
+    params = {"t": torch.ones(1, dtype=f64), "s": torch.tensor([2.0], dtype=f64)}  # d = 0.1 on t only
+    # k = 1: |0.9³ − 1| / 0.1 = 2.71; k = 2: |0.8³ − 1| / 0.2 = 2.44
+    for steps in ([1.0, 2.0], [0.0, 1.0, 2.0], [2.0, 1.0, 0.0]):
+        r = M.landscape_probe(quartic, params, direction, steps)
+        assert r.beta_smoothness == pytest.approx(2.71), steps
+        assert r.grad_change == pytest.approx(1 - 0.8**3)
+        assert r.loss_range == pytest.approx(((1.0 if 0.0 in steps else 0.9**4) - 0.8**4) / 4)
