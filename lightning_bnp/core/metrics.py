@@ -277,7 +277,8 @@ class LandscapeResult:
     Attributes:
         loss_range: max − min of L(θ − k·d) over the step multiples k.
         grad_change: max over k of ‖∇L(θ − k·d) − ∇L(θ)‖.
-        beta_smoothness: max over k of ‖∇L(θ − k·d) − ∇L(θ)‖ / ‖k·d‖ ("effective" β-smoothness).
+        beta_smoothness: max over k ≠ 0 of ‖∇L(θ − k·d) − ∇L(θ)‖ / ‖k·d‖ ("effective" β-smoothness); NaN
+            when d = 0 or every k is 0 (no ratio is defined).
     """
 
     loss_range: float
@@ -321,7 +322,9 @@ def landscape_probe(
         losses.append(loss)
         changes.append(change)
         betas.append(change / (abs(k) * d_norm) if k != 0 and d_norm > 0 else math.nan)
-    return LandscapeResult(max(losses) - min(losses), max(changes), max(betas))
+    # the undefined ratios (k = 0, d = 0) are left out: ``max`` of a list with a NaN depends on where the NaN is
+    beta = max((b for b in betas if not math.isnan(b)), default=math.nan)
+    return LandscapeResult(max(losses) - min(losses), max(changes), beta)
 
 
 def hessian_extremes(loss_of: LossOf, params: dict[str, Tensor], iters: int, seed: int = 0) -> tuple[float, float]:
