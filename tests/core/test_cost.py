@@ -71,8 +71,10 @@ def test_feature_layout_per_layer_values_are_one_entry_per_layer_built_once_per_
     assert again is not first and again.tolist() == [1.0, 2.0]
     meta = torch.device("meta")
     on_meta = FeatureLayout([2, 1], [True, False], meta, torch.float32)
-    for made in (on_meta.owner, on_meta.per_layer([1.0, 2.0]), on_meta.per_layer_values([1.0, 2.0])):
-        assert made.device == meta
+    assert on_meta.uncentred_mask is not None
+    made = (on_meta.lengths, on_meta.owner, on_meta.state_owner, on_meta.decay_target, on_meta.uncentred_mask)
+    for tensor in (*made, on_meta.per_layer([1.0, 2.0]), on_meta.per_layer_values([1.0, 2.0])):
+        assert tensor.device == meta
     assert on_meta.per_layer([1.0, 2.0]).shape == (3,)
 
 
