@@ -20,6 +20,7 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lightning_bnp.core.kinds import LayerKind, kinds_for, kinds_of, layer_kinds
 from lightning_bnp.core.reparametrization import unsupported
@@ -84,7 +85,7 @@ def coverage(
             else:
                 frozen[name] = "frozen (requires_grad=False); transformed once it trains"
             continue
-        reason = _reason(name, modules, selected_kinds, known, include, exclude)
+        reason = _reason(name, p, modules, selected_kinds, known, include, exclude)
         (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
     count = len(transformed) + len(trainable)
     return Coverage(tuple(transformed), {**trainable, **frozen}, count)
@@ -92,6 +93,7 @@ def coverage(
 
 def _reason(
     name: str,
+    parameter: nn.Parameter,
     modules: dict[str, nn.Module],
     selected_kinds: list[LayerKind],
     known: list[LayerKind],
@@ -99,37 +101,30 @@ def _reason(
     exclude: Sequence[str] | None,
 ) -> str:
     owner_name, _, attr = name.rpartition(".")
-    if ".parametrizations." in f".{name}":  # <module>.parametrizations.<tensor>.original…
-        module = modules.get(f".{name}".split(".parametrizations.")[0][1:])
-        why = unsupported(module) if module is not None else None
-        if why is not None:
-            return f"left alone: {why}"
-        what = type(module).__name__ if module is not None else "module"
-        return f"reparametrized ({what} under torch.nn.utils.parametrize, in a form BNP does not follow)"
+    if ".parametrizations." in f".{name}":  # <module>.parametrizations.<tensor>.original…: the module's <tensor>
+        prefix, _, path = f".{name}".partition(".parametrizations.")
+        owner_name, attr = prefix[1:], path.partition(".")[0]
     owner = modules.get(owner_name)
     if owner is None:
         return "not held by a module BNP can find"
     why = unsupported(owner)
     if why is not None:  # README "Reparametrized layers"
         return f"left alone: {why}"
+    cls = parametrize.type_before_parametrizations(owner)  # a `ParametrizedLinear` is named Linear
     kinds = kinds_of(owner, known)
     if isinstance(owner, nn.Embedding) and not any(k in selected_kinds for k in kinds):
         return "embedding (embeddings=False)"
     if isinstance(owner, nn.EmbeddingBag):
-        return f"embedding ({type(owner).__name__}: not a layer kind BNP manages)"
-    parameter = owner._parameters.get(attr)
-    fed = parameter is not None and any(_weight_of(k, owner) is parameter for k in kinds)
+        return f"embedding ({cls.__name__}: not a layer kind BNP manages)"
+    fed = any(_weight_of(k, owner) is parameter for k in kinds)
     if not fed and any(word in attr.lower() for word in ("pos", "embed", "token")):
-        return f"embedding / positional parameter {attr!r} of {type(owner).__name__}"
+        return f"embedding / positional parameter {attr!r} of {cls.__name__}"
     if not kinds:
-        return (
-            f"unknown layer type {type(owner).__module__}.{type(owner).__qualname__}"
-            " (teach BNP with register_layer_kind)"
-        )
+        return f"unknown layer type {cls.__module__}.{cls.__qualname__} (teach BNP with register_layer_kind)"
     if not any(k in selected_kinds for k in kinds):
         return f"layer type {kinds[0].name!r} is not in `layer_types`"
     if not fed:
-        return f"a parameter of its {type(owner).__name__} layer that no layer kind feeds"
+        return f"a parameter of its {cls.__name__} layer that no layer kind feeds"
     # a layer's name is its module's, or its parent's plus a suffix (`attn.q`, `attn.out_proj`: core/attention.py)
     names = (owner_name, owner_name.rpartition(".")[0], *(f"{owner_name}{k.suffix}" for k in kinds))
     if include is not None and not any(fnmatchcase(n, p) for n in names for p in include):

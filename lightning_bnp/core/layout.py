@@ -44,8 +44,11 @@ class FeatureLayout:
         self.sizes = list(sizes)
         self.total = sum(self.sizes)
         self.lengths = torch.tensor(self.sizes, device=device)
-        # owner[k]: the layer of entry k
-        self.owner = torch.repeat_interleave(torch.arange(len(self.sizes), device=device), self.lengths)
+        # owner[k]: the layer of entry k (the size given: no read of the lengths back from the device, and a
+        # layout can be built on `meta`)
+        self.owner = torch.repeat_interleave(
+            torch.arange(len(self.sizes), device=device), self.lengths, output_size=self.total
+        )
         self.device, self.dtype = device, dtype
         # 1 on the entries of layers without a bias, 0 elsewhere; None when every layer has one
         self.uncentred_mask = None if all(centred) else self.per_layer([float(not c) for c in centred])

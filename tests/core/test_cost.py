@@ -53,6 +53,31 @@ def test_feature_layout_caches_the_last_eight_per_layer_vectors() -> None:
     assert len(layout._cache) == 8 and (1.0, 12.0) in layout._cache and (1.0, 2.0) not in layout._cache
 
 
+def test_feature_layout_per_layer_values_are_one_entry_per_layer_built_once_per_tuple() -> None:
+    """``per_layer_values`` (q² as data for a compiled step): one entry per layer in the statistics' dtype, built
+    once per tuple in the cache that ``per_layer_cached`` fills (the same tuple there is per *entry*: no clash),
+    the last 8 kept; on the layout's device (``meta``: a tensor made on the default device would show)."""
+    layout = FeatureLayout([2, 1], [True, False], torch.device("cpu"), torch.float64)
+    first = layout.per_layer_values([1.0, 2.0])
+    assert first.dtype == torch.float64 and first.tolist() == [1.0, 2.0]
+    assert layout.per_layer_values([1.0, 2.0]) is first
+    assert layout.per_layer_values([3.0, 4.0]).tolist() == [3.0, 4.0]
+    assert layout.per_layer_cached([1.0, 2.0]).tolist() == [1.0, 1.0, 2.0]
+    assert layout.per_layer_values([1.0, 2.0]) is first
+    for q2 in range(5, 15):  # ten more distinct tuples: the oldest are dropped
+        assert layout.per_layer_values([1.0, float(q2)]).tolist() == [1.0, float(q2)]
+    assert len(layout._cache) == 8
+    again = layout.per_layer_values([1.0, 2.0])
+    assert again is not first and again.tolist() == [1.0, 2.0]
+    meta = torch.device("meta")
+    on_meta = FeatureLayout([2, 1], [True, False], meta, torch.float32)
+    assert on_meta.uncentred_mask is not None
+    made = (on_meta.lengths, on_meta.owner, on_meta.state_owner, on_meta.decay_target, on_meta.uncentred_mask)
+    for tensor in (*made, on_meta.per_layer([1.0, 2.0]), on_meta.per_layer_values([1.0, 2.0])):
+        assert tensor.device == meta
+    assert on_meta.per_layer([1.0, 2.0]).shape == (3,)
+
+
 class Mixed(nn.Module):
     """A conv without bias, a grouped conv with bias and two Linear layers, one of them used only on
     some steps (so that the layers reach different step counts)."""

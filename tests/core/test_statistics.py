@@ -9,7 +9,16 @@ import torch
 from torch import nn
 
 from lightning_bnp.core import BNPPreconditioner
-from lightning_bnp.core.statistics import Moments, RunningStatistics, column_moments_of_input, moments_of_input
+from lightning_bnp.core.statistics import (
+    Moments,
+    RunningStatistics,
+    column_moments_of_input,
+    feature_moments,
+    masked_feature_moments,
+    moments_of_input,
+    token_moments,
+)
+from tests.host_reads import HostReads
 
 
 def test_linear_pools_all_leading_dimensions() -> None:
@@ -247,3 +256,170 @@ def test_decay_offset_is_carried_by_the_state_and_converted_when_the_settings_di
     old["decay"] = torch.tensor([rho**3])  # saved before κ existed: plain ρ^t
     same.load_state_dict(old)
     torch.testing.assert_close(same.decay, torch.tensor([rho**3 + 0.2]))
+
+
+def test_a_host_part_merges_with_a_pooled_part_in_float64_counts_either_way() -> None:
+    """A part with host counts (this rank's ``moments_of_input``) merged with one whose counts are device tensors
+    (unpacked after a collective, or a token mask's count) gives the pooled moments with float64 counts, in
+    either order; 2²⁴ + 1 rows (a large conv batch) stay exact, as float32 counts would not (issue 27: the
+    mixed merge was not pinned)."""
+    n_big = 2**24 + 1
+    mean_a, var_a = torch.tensor([1.0, -2.0]), torch.tensor([4.0, 0.5])
+    mean_b, var_b = torch.tensor([3.0, 2.0]), torch.tensor([1.0, 2.0])
+    host = Moments(n_big, 5, 7, mean_a, var_a)
+    device = Moments.unpack(Moments(3, 1, 4, mean_b, var_b).pack(), 2, torch.float32)
+    assert isinstance(device.rows, torch.Tensor)
+    with HostReads() as reads:  # the counts stay on the device: no read to branch on them
+        both = (host.merge(device), device.merge(host))
+    assert reads.reads == {}
+    for merged in both:
+        for count, expected in ((merged.rows, n_big + 3), (merged.samples, 6), (merged.out_positions, 11)):
+            assert isinstance(count, torch.Tensor) and count.dtype == torch.float64
+            assert float(count) == expected
+    # small counts, where the pooled values are far from either part's: μ = (2·μa + 3·μb)/5,
+    # σ² = (2·σa² + 3·σb²)/5 + δ²·2·3/5²
+    small = Moments(2, 2, 2, mean_a, var_a)
+    expected_mean = (2 * mean_a + 3 * mean_b) / 5
+    expected_var = (2 * var_a + 3 * var_b) / 5 + (mean_b - mean_a).square() * 6 / 25
+    for merged in (small.merge(device), device.merge(small)):
+        assert float(merged.rows) == 5 and float(merged.samples) == 3 and float(merged.out_positions) == 6
+        torch.testing.assert_close(merged.mean, expected_mean)
+        torch.testing.assert_close(merged.var, expected_var)
+
+
+def test_a_pooled_empty_part_merged_with_one_row_gives_that_row() -> None:
+    """n = 1: the merged mean is the single row's, its variance 0 (an empty part pooled from a rank that saw no
+    rows, merged on the device)."""
+    empty = Moments.unpack(Moments.empty(2, torch.device("cpu")).pack(), 2, torch.float32)
+    one = Moments(1, 1, 1, torch.tensor([5.0, -3.0]), torch.zeros(2))
+    for merged in (empty.merge(one), one.merge(empty)):
+        assert float(merged.rows) == 1
+        torch.testing.assert_close(merged.mean, torch.tensor([5.0, -3.0]))
+        torch.testing.assert_close(merged.var, torch.zeros(2))
+
+
+def test_pack_of_partly_device_counts_is_float64_on_the_device() -> None:
+    """``pack`` with some counts on the device and some on the host: one float64 vector, exact counts, on the
+    statistics' device (checked on ``meta``: a count made on the default device shows there)."""
+    m = Moments(torch.tensor(4.0, dtype=torch.float64), 2**24 + 1, 6, torch.ones(2), torch.full((2,), 2.0))
+    flat = m.pack()
+    assert flat.dtype == torch.float64
+    assert flat.tolist() == [4.0, 2**24 + 1, 6.0, 1.0, 1.0, 2.0, 2.0]
+    meta = torch.device("meta")
+    on_meta = Moments(
+        torch.empty((), dtype=torch.float64, device=meta),
+        2,
+        6,
+        torch.empty(2, device=meta),
+        torch.empty(2, device=meta),
+    )
+    assert on_meta.pack().device == meta
+
+
+def test_feature_moments_pool_every_leading_dimension() -> None:
+    """``feature_moments`` (a linear layer's input whatever its module): per last-dimension feature over all
+    leading dimensions, each row one sample; half inputs give float32 statistics; one row gives its values and
+    σ² = 0; an empty batch gives zeros of the width and the statistics dtype, where the input is."""
+    h = torch.randn(2, 3, 5) * 2 + 1
+    m = feature_moments(h)
+    flat = h.reshape(-1, 5).double()
+    assert (m.rows, m.samples, m.out_positions) == (6, 6, 6)
+    torch.testing.assert_close(m.mean.double(), flat.mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.var.double(), flat.var(0, correction=0), rtol=1e-5, atol=1e-6)
+    half = feature_moments(h.to(torch.bfloat16))
+    assert half.mean.dtype == half.var.dtype == torch.float32
+    ref = h.to(torch.bfloat16).reshape(-1, 5).double()
+    torch.testing.assert_close(half.mean.double(), ref.mean(0), rtol=1e-5, atol=1e-6)
+    one = feature_moments(torch.tensor([[3.0]]))
+    assert one.rows == 1
+    torch.testing.assert_close(one.mean, torch.tensor([3.0]))
+    torch.testing.assert_close(one.var, torch.tensor([0.0]))
+    for dtype, expected in ((torch.float16, torch.float32), (torch.float64, torch.float64)):
+        empty = feature_moments(torch.zeros(0, 3, 5, dtype=dtype))
+        assert empty.rows == 0 and empty.mean.shape == empty.var.shape == (5,)
+        assert empty.mean.dtype == empty.var.dtype == expected
+        assert not empty.mean.any() and not empty.var.any()
+    meta = torch.device("meta")
+    assert feature_moments(torch.empty(0, 3, 5, device=meta)).mean.device == meta
+
+
+def test_masked_feature_moments_are_those_of_the_real_rows() -> None:
+    """Token masks: μ, σ² over the rows the mask keeps, N their number as a float64 0-dim tensor; half inputs
+    give float32; one real row gives its values and σ² = 0; a mask on the host applies to an input elsewhere
+    (``meta`` here)."""
+    h = torch.randn(2, 4, 3) * 3 - 1
+    real = torch.tensor([[True, False, True, True], [False, True, True, False]])
+    for x in (h, h.to(torch.bfloat16)):
+        m = masked_feature_moments(x, real)
+        kept = x[real].double()
+        assert isinstance(m.rows, torch.Tensor) and m.rows.dtype == torch.float64 and float(m.rows) == 5
+        assert m.mean.dtype == m.var.dtype == torch.float32
+        torch.testing.assert_close(m.mean.double(), kept.mean(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m.var.double(), kept.var(0, correction=0), rtol=1e-5, atol=1e-5)
+    only = torch.zeros(2, 4, dtype=torch.bool)
+    only[1, 2] = True
+    one = masked_feature_moments(h, only)
+    assert float(one.rows) == 1
+    torch.testing.assert_close(one.mean, h[1, 2])
+    torch.testing.assert_close(one.var, torch.zeros(3))
+    meta = torch.device("meta")
+    assert masked_feature_moments(torch.empty(2, 4, 3, device=meta), real).mean.device == meta
+
+
+def test_token_moments_dtype_device_and_counts() -> None:
+    """Token frequencies in the requested dtype (exact float64 ones: c/N rounded once), N a float64 device
+    tensor where padding or a mask makes it data-dependent, one real token a frequency of 1, no token at all
+    zeros of the vocabulary's width; every tensor on the tokens' device (``meta``; a host mask too)."""
+    tokens = torch.tensor([0, 3, 3, 5, 3, 1])
+    m = token_moments(tokens, 7, None, torch.float64)
+    assert m.rows == 6 and m.mean.dtype == torch.float64
+    assert torch.equal(m.mean, torch.tensor([1, 1, 0, 3, 0, 1, 0], dtype=torch.float64) / 6)
+    padded = token_moments(tokens, 7, 3, torch.float64)
+    assert isinstance(padded.rows, torch.Tensor) and padded.rows.dtype == torch.float64 and float(padded.rows) == 3
+    assert torch.equal(padded.mean, torch.tensor([1, 1, 0, 0, 0, 1, 0], dtype=torch.float64) / 3)
+    single = token_moments(torch.tensor([3, 3, 5]), 7, 3, torch.float32)
+    assert float(single.rows) == 1
+    assert torch.equal(single.mean, torch.tensor([0, 0, 0, 0, 0, 1.0, 0]))
+    assert torch.equal(single.var, torch.zeros(7))
+    empty = token_moments(torch.zeros(0, dtype=torch.int64), 7, None, torch.float64)
+    assert empty.rows == 0 and empty.mean.shape == empty.var.shape == (7,)
+    assert empty.mean.dtype == empty.var.dtype == torch.float64 and not empty.mean.any()
+    meta = torch.device("meta")
+    on_meta = torch.empty(2, 3, dtype=torch.int64, device=meta)
+    host_mask = torch.ones(2, 3, dtype=torch.bool)
+    for part in (
+        token_moments(on_meta, 7, None, torch.float32),
+        token_moments(on_meta, 7, None, torch.float32, host_mask),
+        token_moments(torch.empty(0, dtype=torch.int64, device=meta), 7, None, torch.float32),
+    ):
+        assert part.mean.device == part.var.device == meta
+
+
+def test_device_mu_divides_by_one_minus_rho_t_whatever_the_decay_offset() -> None:
+    """``decay`` holds ρ^t + κ: the bias-corrected μ on the device is m_t / (1 − ρ^t) for any κ (κ = 0.2 here)."""
+    rho = 0.9
+    stats = RunningStatistics(2, rho=rho, bias_correction=True, device=torch.device("cpu"), decay_offset=0.2)
+    assert torch.equal(stats.device_mu(), torch.zeros(2))
+    m = torch.zeros(2, dtype=torch.float64)
+    for t, mu_h in enumerate((torch.tensor([2.0, -1.0]), torch.tensor([4.0, 3.0])), start=1):
+        m_new, v_new, _ = stats.updated(mu_h, torch.ones(2))
+        decay = stats.decay * rho + (1 - rho) * 0.2
+        stats.assign(m_new, v_new, torch.tensor([t]), decay)
+        m = rho * m + (1 - rho) * mu_h.double()
+        torch.testing.assert_close(stats.device_mu().double(), m / (1 - rho**t), rtol=1e-6, atol=1e-6)
+
+
+def test_a_state_loads_in_the_dtype_and_on_the_device_of_the_statistics() -> None:
+    """``load_state_dict`` casts a float32 state to float64 statistics (and back) and puts ρ^t + κ where the
+    accumulators are (``meta`` here)."""
+    saved = RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu"))
+    saved.assign(*saved.updated(torch.tensor([1.0, 2.0, 3.0]), torch.ones(3)))
+    wide = RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu"), dtype=torch.float64)
+    wide.load_state_dict(saved.state_dict())
+    for tensor in (wide.mean_acc, wide.var_acc, wide.decay):
+        assert tensor.dtype == torch.float64
+    torch.testing.assert_close(wide.mean_acc, torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64))
+    meta = torch.device("meta")
+    on_meta = RunningStatistics(3, rho=0.9, bias_correction=False, device=meta)
+    on_meta.load_state_dict(saved.state_dict())
+    assert on_meta.decay.device == on_meta.mean_acc.device == meta

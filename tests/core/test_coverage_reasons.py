@@ -1,0 +1,128 @@
+"""``pre.skipped`` / ``pre.report()`` (core/coverage.py): every weight matrix BNP leaves alone is named with the
+reason a user can act on, one model holding each kind of reason (issue 27: the reasons were not pinned)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations, parametrize
+
+from lightning_bnp import BNPPreconditioner
+from lightning_bnp.core.conditioning import Equilibration
+
+FOLLOWS_NOT = "; the optimizer updates those tensors, whose gradient is Jᵀ·∂L/∂weight, for which BNP's transform "
+FOLLOWS_NOT += "(eq. 15) has no exact form"
+
+
+class Table(nn.Module):
+    """Not a layer kind: two 2-D parameters whose names say what they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_matrix = nn.Parameter(torch.zeros(3, 4))
+        self.pos = nn.Parameter(torch.zeros(3, 4))
+
+
+class Mixed(nn.Linear):
+    """A Linear (a registered kind) with one more 2-D parameter that no kind feeds."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.mixing = nn.Parameter(torch.zeros(4, 4))
+
+
+def test_each_weight_matrix_left_alone_is_named_with_its_reason() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reparametrized layers are also named in a warning
+        model = nn.Sequential(
+            parametrizations.weight_norm(nn.Linear(4, 4)),
+            torch.nn.utils.weight_norm(nn.Linear(4, 4)),  # the legacy hook
+            nn.EmbeddingBag(5, 4),
+            Table(),
+            Mixed(),
+            nn.Linear(4, 4),
+            nn.Linear(4, 4),
+        )
+        pre = BNPPreconditioner(model, include=["0", "1", "4", "5"])
+    norm = (
+        "left alone: its weight is computed by torch.nn.utils.parametrize (_WeightNorm) from "
+        f"parametrizations.weight.original0, parametrizations.weight.original1{FOLLOWS_NOT}"
+    )
+    legacy = (
+        "left alone: its weight is computed by torch.nn.utils.weight_norm (legacy hook: weight = g·v/‖v‖ from "
+        f"weight_g and weight_v){FOLLOWS_NOT}"
+    )
+    assert pre.coverage.transformed == ("4.weight", "5.weight")
+    assert pre.skipped == {
+        "0.parametrizations.weight.original0": norm,
+        "0.parametrizations.weight.original1": norm,  # g, (out, 1): a weight matrix too
+        "1.weight_g": legacy,
+        "1.weight_v": legacy,
+        "2.weight": "embedding (EmbeddingBag: not a layer kind BNP manages)",
+        "3.embed_matrix": "embedding / positional parameter 'embed_matrix' of Table",
+        "3.pos": "embedding / positional parameter 'pos' of Table",
+        "4.mixing": "a parameter of its Mixed layer that no layer kind feeds",
+        "6.weight": "not matched by `include` ['0', '1', '4', '5']",
+    }
+    assert pre.coverage.trainable == 11
+    # the first five by default, then a count
+    summary = pre.coverage.summary()
+    assert summary.startswith("BNP transforms 2 of the model's 11 trainable weight matrices; it leaves alone ")
+    assert summary.count("(left alone") == 4 and "2.weight (embedding (EmbeddingBag" in summary
+    assert "3.embed_matrix" not in summary and summary.endswith("; and 4 more")
+    pre.detach()
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"exclude": "0"}, "excluded by `exclude` pattern '0'"),
+        ({"include": "1"}, "not matched by `include` ['1']"),
+    ],
+)
+def test_an_equilibrated_layer_left_out_by_name_is_named_for_that_not_as_reparametrized(
+    options: dict[str, str], reason: str
+) -> None:
+    """BNP follows Equilibration (README "Weight Conditioning"): an equilibrated Linear that ``include`` /
+    ``exclude`` leaves out is skipped for that reason, under its leaf's name; one of a type left out of
+    ``layer_types`` for that (not "reparametrized … in a form BNP does not follow", as before)."""
+    linear = nn.Linear(4, 4)
+    parametrize.register_parametrization(linear, "weight", Equilibration())
+    pre = BNPPreconditioner(nn.Sequential(linear, nn.Linear(4, 4)), **options)  # type: ignore[arg-type]
+    assert pre.skipped == {"0.parametrizations.weight.original": reason}
+    pre.detach()
+    pre = BNPPreconditioner(nn.Sequential(linear, nn.Conv2d(2, 2, 1)), layer_types=["Conv2d"])
+    assert pre.skipped == {"0.parametrizations.weight.original": "layer type 'Linear' is not in `layer_types`"}
+    pre.detach()
+    managed = BNPPreconditioner(nn.Sequential(linear, nn.Linear(4, 4)))
+    assert managed.coverage.transformed == ("0.parametrizations.weight.original", "1.weight")
+    managed.detach()
+
+
+class Affine(nn.Module):
+    """Not a layer kind: ``x @ matrix``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matrix = nn.Parameter(torch.eye(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.matrix
+
+
+class Double(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+def test_a_parametrized_module_of_an_unknown_type_is_named_by_its_own_class() -> None:
+    """torch swaps a parametrized module's class for ``Parametrized<Name>``: the reason names the user's class."""
+    affine = Affine()
+    parametrize.register_parametrization(affine, "matrix", Double())
+    pre = BNPPreconditioner(nn.Sequential(affine, nn.Linear(4, 4)))
+    expected = "unknown layer type tests.core.test_coverage_reasons.Affine (teach BNP with register_layer_kind)"
+    assert pre.skipped == {"0.parametrizations.matrix.original": expected}
+    pre.detach()
