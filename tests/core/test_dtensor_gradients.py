@@ -126,3 +126,26 @@ def test_a_two_dim_mesh_sharding_rows_once_is_transformed(mesh: DeviceMesh) -> N
     plain.step()
     sharded.step()
     torch.testing.assert_close(grad.to_local(), plain_net["lin"].weight.grad, rtol=0, atol=0)
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass without ``to_local``: not a DTensor."""
+
+
+def test_a_tensor_subclass_gradient_is_transformed_like_a_plain_one() -> None:
+    torch.manual_seed(0)
+    plain, marked = nn.Linear(3, 2), nn.Linear(3, 2)
+    marked.load_state_dict(plain.state_dict())
+    pre_plain, pre_marked = BNPPreconditioner(plain), BNPPreconditioner(marked)
+    x = torch.randn(5, 3) + 1
+    plain(x).sum().backward()
+    marked(x).sum().backward()
+    for p in marked.parameters():
+        assert p.grad is not None
+        p.grad = p.grad.as_subclass(Marked)
+    pre_plain.step()
+    pre_marked.step()
+    for p, q in zip(plain.parameters(), marked.parameters()):
+        assert type(q.grad) is Marked and p.grad is not None
+        torch.testing.assert_close(q.grad.as_subclass(torch.Tensor), p.grad, rtol=0, atol=0)
+    assert not torch.allclose(plain.bias.grad, torch.full((2,), 5.0))  # transformed: not the raw Σ of 5 ones
