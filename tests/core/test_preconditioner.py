@@ -404,16 +404,17 @@ def test_a_model_cast_between_steps_continues_its_running_statistics() -> None:
     """After a step the statistics live in the step's flat vectors (their count on the device); a cast model's
     next step gathers them, cast, and goes on: μ = ρ·(1 − ρ)·μ₁ + (1 − ρ)·μ₂ and t = 2, by hand."""
     torch.manual_seed(0)
-    layer, rho = nn.Linear(3, 2), 0.75
-    pre = BNPPreconditioner(nn.Sequential(layer), rho=rho)
+    model, rho = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 2)), 0.75
+    pre = BNPPreconditioner(model, rho=rho)
     x1, x2 = torch.randn(6, 3) + 1, torch.randn(5, 3).double() * 2 - 1
-    layer(x1).sum().backward()
+    model(x1).sum().backward()
     pre.step()
-    layer.double().zero_grad()
-    layer(x2).sum().backward()
+    model.double().zero_grad()
+    model(x2).sum().backward()
     pre.step()
+    assert [layer.running.steps for layer in pre.layers.values()] == [2, 2]
     running = pre.layers["0"].running
-    assert running.steps == 2 and running.mean_acc.dtype == torch.float64
+    assert running.mean_acc.dtype == torch.float64
     expected = rho * (1 - rho) * x1.double().mean(0) + (1 - rho) * x2.mean(0)
     torch.testing.assert_close(running.mean_acc, expected, rtol=1e-6, atol=1e-7)
 
