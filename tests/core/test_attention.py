@@ -139,6 +139,31 @@ def test_mha_equals_bnp_on_four_linears(case: str) -> None:
         torch.testing.assert_close(mha.out_proj.bias, twin.o.bias, rtol=1e-5, atol=1e-7)
     # and BNP did transform them: plain SGD on the twin ends elsewhere
     assert all(layer.running.steps == 4 for layer in pre.layers.values())
+    # the q, k, v blocks of one packed in_proj_weight (bias or not) were one entry of the transform
+    spans = [n for layout in pre._layouts.values() for config in layout.configs.values() for _, n in config.spans]
+    assert spans == ([3, 1] if mha._qkv_same_embed_dim else [1, 1, 1, 1])
+
+
+def test_qkv_blocks_whose_q2_differ_are_transformed_each_with_its_own() -> None:
+    """Cross-attention on few rows: q sees 2 (q² = E/2), k and v see 5 (q² = E/5); the blocks are not grouped
+    under one q², and each gradient equals that of BNP on the four-Linear twin."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, HEADS, batch_first=True)
+    model, twin = Wrapped(mha, False).double(), Twin(mha).double()
+    pre, pre_twin = BNPPreconditioner(model, statistics="batch"), BNPPreconditioner(twin, statistics="batch")
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 2, E, generator=g, dtype=torch.float64) * 2 + 0.5
+    memory = torch.randn(1, 5, E, generator=g, dtype=torch.float64) * 2 - 0.5
+    for net, p in ((model, pre), (twin, pre_twin)):
+        net(query, memory, memory, None, None).square().sum().backward()
+        p.step()
+    q2 = [float(pre.layers[f"attn.{block}"].transform.q2) for block in "qkv"]  # type: ignore[union-attr]
+    assert q2 == [E / 2, E / 5, E / 5]
+    assert mha.in_proj_weight.grad is not None and mha.in_proj_bias.grad is not None
+    for i, lin in enumerate((twin.q, twin.k, twin.v)):
+        rows = slice(i * E, (i + 1) * E)
+        torch.testing.assert_close(mha.in_proj_weight.grad[rows], lin.weight.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(mha.in_proj_bias.grad[rows], lin.bias.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_mha_state_dict_and_f_linear_untouched() -> None:

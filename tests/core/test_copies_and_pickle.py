@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
-from lightning_bnp.core import BNPPreconditioner
+from lightning_bnp.core import BNPPreconditioner, BNPWarning
 from tests.helpers import make_cnn, make_mlp
 
 
@@ -148,3 +150,50 @@ def test_preconditioner_alone_pickles_and_deepcopies_before_and_after_steps() ->
     pickle.loads(pickle.dumps(pre))
     pre.detach()
     assert not pickle.loads(pickle.dumps(pre)).attached
+
+
+def test_a_preconditioner_with_an_explicit_process_group_refuses_to_be_copied() -> None:
+    pre = BNPPreconditioner(make_mlp(), process_group=object())
+    message = (
+        "a BNPPreconditioner with an explicit `process_group` cannot be pickled or copied (a process group is bound "
+        "to this process); build a new one in the other process"
+    )
+    for how in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+            how(pre)
+
+
+def test_a_copy_leaves_the_optimizers_hooks_mask_and_owed_warnings_behind() -> None:
+    """The optimizer's commit hook (and with it every other hook of that optimizer: here one that does not
+    pickle), the token mask set on the original, and the warnings that the original's steps still owe are the
+    original's: the copy neither carries nor raises them."""
+    model = make_mlp()
+    pre = BNPPreconditioner(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.register_step_post_hook(lambda *args: None)  # a lambda: pickling it fails
+    x, y = batch(0)
+    x[2, 1] = float("nan")
+    F.cross_entropy(model(x), y).backward()
+    pre.step(opt)  # its non-finite statistics are reported by the next step (or flush_warnings)
+    pre.set_token_mask(torch.ones(8, dtype=torch.bool))
+    for clone in (copy.deepcopy(pre), pickle.loads(pickle.dumps(pre))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            clone.flush_warnings()
+        first = clone.layers["0"]
+        assert first.module is not model[0]
+        first.module(batch(1, n=5)[0]).sum().backward()  # 5 rows: the original's mask (8 rows) would not fit
+        assert first.moments is not None and first.moments.rows == 5
+    with pytest.warns(BNPWarning, match="not finite"):
+        pre.flush_warnings()
+
+
+def test_a_pickle_from_before_the_attached_flag_loads_detached() -> None:
+    """``__getstate__`` records whether the preconditioner was attached; a state without that entry (pickled by an
+    older version) comes back detached."""
+    pre = BNPPreconditioner(make_mlp())
+    state = pre.__getstate__()
+    del state["_was_attached"]
+    clone = BNPPreconditioner.__new__(BNPPreconditioner)
+    clone.__setstate__(copy.deepcopy(state))
+    assert not clone.attached and pre.attached

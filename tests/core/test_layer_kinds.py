@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 from lightning_bnp import BNPPreconditioner, LayerKind, register_layer_kind
 from lightning_bnp.core.kinds import layer_kinds, unregister_layer_kind
 from lightning_bnp.core.preconditioner import BNPWarning
+from lightning_bnp.core.statistics import Moments, feature_moments, masked_feature_moments
 from tests.transposed import TransposedLinear, as_linear_parameters, transposed
 
 
@@ -289,3 +291,97 @@ def test_step_transform_without_a_bias_vector_maps_the_weight_alone() -> None:
     want[:E] /= transform.q2 * transform.var_t
     transform.apply_(vec, None)
     torch.testing.assert_close(vec, want, rtol=1e-12, atol=1e-12)
+
+
+class Pair(nn.Module):
+    """One weight applied to its first input and to an optional keyword input (named by ``second``), each cast to
+    the weight's dtype and scaled by ``input_scale``: returns both outputs (the second ``None`` without it)."""
+
+    def __init__(self, in_features: int, out_features: int, input_scale: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features))
+        self.bias = nn.Parameter(torch.randn(out_features))
+        self.input_scale, self.second = input_scale, "other"
+
+    def forward(self, x: Tensor, **kwargs: Tensor) -> tuple[Tensor, Tensor | None]:
+        def apply(h: Tensor) -> Tensor:
+            return (h.to(self.weight.dtype) * self.input_scale) @ self.weight.T + self.bias
+
+        other = kwargs.get(self.second)
+        return apply(x), None if other is None else apply(other)
+
+
+class PairKind(LayerKind):
+    """The rows ``Pair``'s weight multiplies are its inputs cast to the output's dtype and scaled by the module's
+    ``input_scale``: ``moments`` needs the module and the output. Without the keyword input, its pair has no
+    input tensor (skipped) and comes first."""
+
+    name = "Pair"
+    module_type = Pair
+
+    def calls(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> list[Any]:
+        first, second = output
+        return [(kwargs.get(module.second), first if second is None else second), (args[0], first)]
+
+    def moments(self, module: nn.Module, h: Tensor, output: Any) -> Moments:
+        return feature_moments(h.to(output.dtype) * module.input_scale)
+
+    def masked_moments(self, module: nn.Module, h: Tensor, output: Any, real: Tensor) -> Moments:
+        return masked_feature_moments(h.to(output.dtype) * module.input_scale, real)
+
+
+def pooled_moments(pre: BNPPreconditioner) -> dict[str, Moments]:
+    """The moments each layer brings to the next step."""
+    seen: dict[str, Moments] = {}
+    transform = pre._transform
+
+    def recording(ready: list[Any], pending: Any) -> None:
+        seen.update({layer.name: m for layer, m, _ in ready})
+        transform(ready, pending)
+
+    pre._transform = recording  # type: ignore[method-assign]
+    return seen
+
+
+def assert_moments_of_rows(m: Moments, rows: Tensor) -> None:
+    assert float(m.rows) == rows.shape[0]
+    torch.testing.assert_close(m.mean, rows.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.var, rows.var(0, correction=0), rtol=1e-12, atol=1e-12)
+
+
+def test_a_kind_with_several_calls_counts_every_tensor_pair_of_training_forwards_only() -> None:
+    """``LayerKind.calls``: every (input, output) pair of a training forward counts, from positional and keyword
+    inputs, reduced by the kind's ``moments`` (given the module and the output); a pair without an input tensor
+    is skipped and the pairs after it still count; forwards in eval mode or under ``paused()`` count nothing."""
+    register_layer_kind(PairKind())
+    try:
+        torch.manual_seed(0)
+        net = nn.ModuleDict({"pair": Pair(3, 2, input_scale=0.5).double()})
+        pre = BNPPreconditioner(net, layer_types=["Pair"], statistics="batch")
+        seen = pooled_moments(pre)
+        a, b, c, junk = (torch.randn(n, 3) * 3 + 1 for n in (4, 5, 6, 7))  # float32 inputs of a float64 layer
+        pair = net["pair"]
+        with pre.paused():
+            loss = pair(junk)[0].sum()
+        pair.eval()
+        loss = loss + pair(junk, other=junk)[0].sum()
+        pair.train()
+        first, second = pair(a, other=b)
+        assert second is not None
+        loss = loss + first.sum() + second.square().sum() + pair(c)[0].sum()
+        loss.backward()
+        pre.step()
+        assert_moments_of_rows(seen["pair"], torch.cat([a, b, c]).double() * 0.5)
+        # under a token mask: the kind's masked_moments, given the output too
+        mask = torch.tensor([True, False, True, True])
+        with pre.token_mask(mask):
+            pair(a)[0].sum().backward()
+        pre.step()
+        assert_moments_of_rows(seen["pair"], a[mask].double() * 0.5)
+        # a jagged nested input: its real rows, through the kind's moments
+        rows = [torch.randn(n, 3) for n in (2, 5)]
+        pair(torch.nested.nested_tensor(rows, layout=torch.jagged))[0].values().sum().backward()
+        pre.step()
+        assert_moments_of_rows(seen["pair"], torch.cat(rows).double() * 0.5)
+    finally:
+        unregister_layer_kind("Pair")

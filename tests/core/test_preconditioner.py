@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -350,3 +351,126 @@ def test_a_model_cast_after_set_up_casts_its_statistics(built: torch.dtype, cast
         torch.testing.assert_close(layer.running.var_acc, ref_layer.running.var_acc, rtol=0, atol=0)
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_statistics_of_another_shape_are_refused_naming_the_layer_sizes_and_unit() -> None:
+    """The unit is the layer's: input features (dense), input channels, or columns (conv_statistics='column')."""
+    cases = [
+        (nn.Linear(3, 2), nn.Linear(4, 2), {}, "4 input features", "Linear"),
+        (nn.Conv2d(2, 3, 3), nn.Conv2d(3, 3, 3), {}, "3 input channels", "Conv2d"),
+        (nn.Conv2d(2, 3, 3), nn.Conv2d(3, 3, 3), {"conv_statistics": "column"}, "27 columns", "Conv2d"),
+    ]
+    for saved_layer, layer, kwargs, has, kind in cases:
+        state = BNPPreconditioner(nn.Sequential(saved_layer), **kwargs).state_dict()
+        length = state["layers"]["0"]["mean_acc"].numel()
+        message = (
+            f"BNP statistics of layer '0' have {length} entries, but the layer ({kind}) has {has}: the state was "
+            "saved from a model whose layer has another shape. Load it into the same architecture, or start "
+            "without the BNP state."
+        )
+        pre = BNPPreconditioner(nn.Sequential(layer), **kwargs)
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            pre.load_state_dict(state)
+
+
+@pytest.mark.parametrize("old", ["no hyperparameters", "no conv_statistics"])
+def test_an_old_state_counts_as_per_channel_statistics(old: str) -> None:
+    """A state saved before ``conv_statistics`` existed holds per-channel statistics: loaded into per-column ones
+    it is refused as such (and it loads into per-channel ones)."""
+    state = BNPPreconditioner(nn.Sequential(nn.Conv2d(2, 3, 3))).state_dict()
+    if old == "no hyperparameters":
+        del state["hyperparameters"]
+    else:
+        del state["hyperparameters"]["conv_statistics"]
+    message = (
+        "BNP statistics of layer '0' have 2 entries, but it has 18 with conv_statistics='column' (saved with "
+        "conv_statistics='channel'); per-channel and per-column statistics cannot be converted into each other. "
+        "Resume with the saved `conv_statistics`, or start without the BNP state."
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        BNPPreconditioner(nn.Sequential(nn.Conv2d(2, 3, 3)), conv_statistics="column").load_state_dict(state)
+    BNPPreconditioner(nn.Sequential(nn.Conv2d(2, 3, 3))).load_state_dict(state)
+
+
+def test_statistics_saved_with_other_settings_warn_at_the_callers_line() -> None:
+    state = BNPPreconditioner(nn.Linear(3, 2), rho=0.9, eps1=0.5).state_dict()
+    pre = BNPPreconditioner(nn.Linear(3, 2))
+    message = (
+        "BNP statistics loaded from a state saved with other settings (eps1: saved 0.5, now 0.01, rho: saved 0.9, "
+        "now 0.99); they continue under the current settings."
+    )
+    with pytest.warns(BNPWarning, match="^" + re.escape(message) + "$") as record:
+        pre.load_state_dict(state)
+    assert [w.filename for w in record] == [__file__]
+
+
+def test_a_model_cast_between_steps_continues_its_running_statistics() -> None:
+    """After a step the statistics live in the step's flat vectors (their count on the device); a cast model's
+    next step gathers them, cast, and goes on: μ = ρ·(1 − ρ)·μ₁ + (1 − ρ)·μ₂ and t = 2, by hand."""
+    torch.manual_seed(0)
+    model, rho = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 2)), 0.75
+    pre = BNPPreconditioner(model, rho=rho)
+    x1, x2 = torch.randn(6, 3) + 1, torch.randn(5, 3).double() * 2 - 1
+    model(x1).sum().backward()
+    pre.step()
+    model.double().zero_grad()
+    model(x2).sum().backward()
+    pre.step()
+    assert [layer.running.steps for layer in pre.layers.values()] == [2, 2]
+    running = pre.layers["0"].running
+    assert running.mean_acc.dtype == torch.float64
+    expected = rho * (1 - rho) * x1.double().mean(0) + (1 - rho) * x2.mean(0)
+    torch.testing.assert_close(running.mean_acc, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_step_count_set_by_hand_is_the_next_steps() -> None:
+    """``running.steps = 0`` restarts the count (and ρ^t) that the next step continues from."""
+    layer = nn.Linear(3, 2)
+    pre = BNPPreconditioner(nn.Sequential(layer), rho=0.5)
+    for _ in range(2):
+        layer(torch.randn(4, 3)).sum().backward()
+        pre.step()
+    running = pre.layers["0"].running
+    running.steps = 0
+    layer(torch.randn(4, 3)).sum().backward()
+    pre.step()
+    assert running.steps == 1
+    torch.testing.assert_close(running.decay, torch.tensor([0.5 + pre._decay_offset]))
+
+
+def test_an_optimizer_step_without_a_bnp_step_before_it_commits_nothing() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    pre = BNPPreconditioner(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    pre.step(opt)
+    opt.step()
+    opt.step()  # a second optimizer step (nothing pending): no error, nothing more committed
+    assert pre.layers["0"].running.steps == 1
+
+
+def test_step_transforms_name_only_the_layers_the_step_transformed() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    pre = BNPPreconditioner(model)
+    model[1](torch.randn(4, 3)).sum().backward()  # layer 0 has no gradient: it is not transformed
+    pre.step()
+    assert list(pre.step_transforms(model.parameters())) == ["1"]
+    assert pre.step_transforms(model[0].parameters()) == {}
+
+
+def test_report_names_five_skipped_matrices_by_default() -> None:
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(8)))
+    pre = BNPPreconditioner(model, exclude=[str(i) for i in range(1, 8)])
+    report = pre.report()
+    assert report.startswith("BNP transforms 1 of the model's 8 trainable weight matrices; it leaves alone 1.weight")
+    assert report.count("excluded") == 5 and report.endswith("; and 2 more")
+
+
+def test_a_layers_warning_points_at_the_line_that_called_precondition() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    pre = BNPPreconditioner(model)
+    model[1](torch.randn(4, 3)).sum().backward()
+    model[0].weight.grad = torch.ones(3, 3)  # a gradient, but its forward never ran
+    with pytest.warns(BNPWarning, match="never ran") as record:
+        pre.precondition()
+    assert [w.filename for w in record] == [__file__]

@@ -4,6 +4,7 @@ run that never saw the bad input (so every test fails on the code before the fix
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -200,6 +201,25 @@ def test_a_forward_from_before_detach_never_counts_after_a_new_attach() -> None:
     ref_pre.step()
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
+    assert_same_state(net, pre, ref, ref_pre)
+
+
+def test_a_forward_between_two_detaches_never_counts_after_the_second() -> None:
+    """Every detach() starts a new generation: a forward from between the first and the second detach (not only
+    one from before the first) stays out of a step after the second."""
+    net, ref = make_net(), make_net()
+    pre, ref_pre = BNPPreconditioner(net), BNPPreconditioner(ref)
+    pre.detach()
+    pre.attach()
+    old, _ = batch(1)
+    stale = net(old * 1000.0)
+    pre.detach()
+    pre.attach()
+    x, y = batch(0)
+    (F.cross_entropy(net(x), y) + 0.0 * stale.sum()).backward()
+    pre.step()
+    F.cross_entropy(ref(x), y).backward()
+    ref_pre.step()
     assert_same_state(net, pre, ref, ref_pre)
 
 
@@ -432,4 +452,22 @@ def test_batch_statistics_of_overflowing_inputs_never_zero_the_gradient() -> Non
     assert grad is not None and torch.isfinite(grad).all() and (grad != 0).all()
     torch.testing.assert_close(grad, gw, rtol=1e-5, atol=0)
     with pytest.warns(BNPWarning, match=r"'' \(Linear\).*overflows float32"):
+        pre.flush_warnings()
+
+
+def test_the_overflow_warning_gives_the_magnitude_and_the_saturation_value() -> None:
+    """float32: squares overflow above √max ≈ 1.8e19, and σ²_H saturates at max·2⁻²⁴ ≈ 2.0e31 (so that σ̃² and
+    q²·σ̃², q² up to 2²⁴, stay finite)."""
+    layer = nn.Linear(FEATURES, CLASSES)
+    pre = BNPPreconditioner(layer, statistics="batch")
+    x, y = _huge_batch(0, 1e20)
+    F.cross_entropy(layer(x), y).backward()
+    pre.step()
+    message = (
+        "BNP layer '' (Linear): the step's input variance σ²_H overflows float32 (finite inputs of magnitude above "
+        "~1.8e+19, whose squares are not representable); it is saturated at 2.0e+31 for that step, so σ² and P of "
+        "this layer are not exact while inputs stay that large. Rescale the layer's input (normalize the data), or "
+        "use float64."
+    )
+    with pytest.warns(BNPWarning, match="^" + re.escape(message) + "$"):
         pre.flush_warnings()

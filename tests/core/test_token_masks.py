@@ -8,6 +8,7 @@ nested tensors use their real rows. Under DDP: ``tests/ddp/test_token_masks_ddp.
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from typing import Any
 
@@ -313,3 +314,59 @@ def test_transformer_encoder_with_its_float_key_padding_mask() -> None:
     for block in "qkv":
         check_moments(seen[f"layers.0.self_attn.{block}"], x[mask])
     assert len(seen) == 12 and all(float(m.rows) == int(mask.sum()) for m in seen.values())
+
+
+def test_the_layers_a_mask_applies_to_are_named_by_layer_or_module_patterns() -> None:
+    """``layers`` patterns match a layer's name (``self_attn.q``) or its module's (``self_attn`` for all four of
+    its layers); several patterns are the union of what each matches; a pattern matching nothing (the empty one
+    too) or no pattern at all is refused, naming the argument."""
+    block = Block(batch_first=True)
+    block.head = nn.Linear(8, 3)
+    pre = BNPPreconditioner(block)
+    attention = {f"self_attn.{p}" for p in ("q", "k", "v", "out_proj")}
+    pre.set_token_mask(torch.ones(2, 3, dtype=torch.bool), layers="self_attn")
+    assert pre._mask_layers == attention
+    pre.set_token_mask(torch.ones(2, 3, dtype=torch.bool), layers=["self_attn.q", "cross.k", "head"])
+    assert pre._mask_layers == {"self_attn.q", "cross.k", "head"}
+    pre.set_token_mask(torch.ones(2, 3, dtype=torch.bool), layers=["cross", "self_attn.out_proj"])
+    assert pre._mask_layers == {"cross.q", "cross.k", "cross.v", "cross.out_proj", "self_attn.out_proj"}
+    for patterns in ("", ["head", ""]):
+        with pytest.raises(ValueError, match=r"^`layers` pattern '' matches no BNP layer; layers are \['self_attn\.q'"):
+            pre.set_token_mask(torch.ones(2, 3, dtype=torch.bool), layers=patterns)
+    with pytest.raises(ValueError, match=r"^`layers` must be None or a non-empty list of patterns, got \[\]$"):
+        pre.set_token_mask(torch.ones(2, 3, dtype=torch.bool), layers=[])
+
+
+def test_what_a_masked_forward_cannot_read_is_refused_with_the_whole_reason() -> None:
+    net = nn.Sequential(nn.Linear(8, 8), nn.Flatten(), nn.Linear(80, 3))
+    pre = BNPPreconditioner(net)
+    x, mask = padded()
+    message = (
+        "BNP layer '2' (Linear): the token mask of shape (4, 10) does not fit its input of shape (4, 80) (the mask "
+        "needs the input's leading dimensions; a MultiheadAttention's, those of its query, key or value). Pass the "
+        "mask in the layout this layer sees, or leave the layer out with `token_mask(mask, layers=...)`"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        with pre.token_mask(mask):
+            net(x)
+    linear = nn.Linear(8, 4)
+    pre = BNPPreconditioner(linear)
+    nested = torch.nested.nested_tensor([torch.randn(n, 8) for n in LENGTHS], layout=torch.jagged)
+    message = (
+        "BNP layer '' (Linear) got a nested tensor while a token mask of shape (4, 10) is set: a nested tensor holds "
+        "no padding (its real rows are used without a mask); leave this layer out of the mask with `layers`"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        with pre.token_mask(torch.ones(4, 10, dtype=torch.bool)):
+            linear(nested)
+    with warnings.catch_warnings():  # torch's own warning about the strided layout (once per process)
+        warnings.simplefilter("ignore", UserWarning)
+        strided = torch.nested.nested_tensor([torch.randn(n, 8) for n in LENGTHS])
+    message = (
+        "BNP layer '' (Linear) got a nested tensor of layout torch.strided (4 sequences); BNP reads the real rows of "
+        "a jagged one (torch.nested.nested_tensor(..., layout=torch.jagged)) into a dense layer (Linear and its "
+        "kinds). Pass a jagged nested tensor, or a padded tensor with `token_mask`, or exclude the layer with "
+        "`exclude`"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        linear(strided)
