@@ -165,6 +165,12 @@ def _swapped() -> tuple[object, object, object]:
     return F.linear, F.multi_head_attention_forward, getattr(F, "_check_key_padding_mask", None)
 
 
+def _restore() -> None:  # whatever a failed test left swapped
+    F.linear, F.multi_head_attention_forward = _ORIGINAL_LINEAR, _ORIGINAL_MHA
+    if _ORIGINAL_CHECK_KPM is not None:
+        F._check_key_padding_mask = _ORIGINAL_CHECK_KPM
+
+
 def test_captures_nest_and_the_last_stop_restores_every_swapped_global() -> None:
     originals = (_ORIGINAL_LINEAR, _ORIGINAL_MHA, _ORIGINAL_CHECK_KPM)
     assert _swapped() == originals
@@ -172,7 +178,8 @@ def test_captures_nest_and_the_last_stop_restores_every_swapped_global() -> None
     try:
         calls1 = capturing(w1)
         assert F.linear is not _ORIGINAL_LINEAR and F.multi_head_attention_forward is not _ORIGINAL_MHA
-        assert F._check_key_padding_mask is _traceable_check_key_padding_mask
+        # (a torch without F._check_key_padding_mask has nothing to swap there)
+        assert _swapped()[2] is (_traceable_check_key_padding_mask if _ORIGINAL_CHECK_KPM is not None else None)
         calls2 = capturing(w2)
         out1 = F.linear(x, w1)
         assert stop_capturing(w1) is calls1 and len(calls1) == 1 and calls1[0][0] is x and calls1[0][1] is out1
@@ -188,8 +195,7 @@ def test_captures_nest_and_the_last_stop_restores_every_swapped_global() -> None
         stop_capturing(w1)
         assert _swapped() == originals
     finally:
-        F.linear, F.multi_head_attention_forward = _ORIGINAL_LINEAR, _ORIGINAL_MHA
-        F._check_key_padding_mask = _ORIGINAL_CHECK_KPM
+        _restore()
 
 
 def test_a_traced_capture_records_the_same_calls(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,8 +208,7 @@ def test_a_traced_capture_records_the_same_calls(monkeypatch: pytest.MonkeyPatch
         assert len(calls) == 1 and calls[0][0] is x and calls[0][1] is out
         assert _swapped() == (_ORIGINAL_LINEAR, _ORIGINAL_MHA, _ORIGINAL_CHECK_KPM)
     finally:
-        F.linear, F.multi_head_attention_forward = _ORIGINAL_LINEAR, _ORIGINAL_MHA
-        F._check_key_padding_mask = _ORIGINAL_CHECK_KPM
+        _restore()
 
 
 # ------------------------------------------------------------------ key_padding_mask
@@ -231,12 +236,12 @@ def test_real_keys_caches_nothing_while_compiling(monkeypatch: pytest.MonkeyPatc
 
 def test_the_traceable_key_padding_mask_check(monkeypatch: pytest.MonkeyPatch) -> None:
     good, bad_n, bad_s = torch.zeros(2, 5, dtype=torch.bool), torch.zeros(3, 5), torch.zeros(2, 4)
-    # eager: torch's own check and messages
-    _traceable_check_key_padding_mask(good, 5, 2)
-    with pytest.raises(AssertionError, match=r"Expected key_padded_mask.shape\[0\] to be 2, but got 3"):
-        _traceable_check_key_padding_mask(bad_n, 5, 2)
-    with pytest.raises(AssertionError, match=r"Expected key_padded_mask.shape\[1\] to be 5, but got 4"):
-        _traceable_check_key_padding_mask(bad_s, 5, 2)
+    if _ORIGINAL_CHECK_KPM is not None:  # eager: torch's own check and messages (a torch that has one)
+        _traceable_check_key_padding_mask(good, 5, 2)
+        with pytest.raises(AssertionError, match=r"Expected key_padded_mask.shape\[0\] to be 2, but got 3"):
+            _traceable_check_key_padding_mask(bad_n, 5, 2)
+        with pytest.raises(AssertionError, match=r"Expected key_padded_mask.shape\[1\] to be 5, but got 4"):
+            _traceable_check_key_padding_mask(bad_s, 5, 2)
     # traced: the same checks, messages without the values
     _compiling(monkeypatch)
     _traceable_check_key_padding_mask(good, 5, 2)
