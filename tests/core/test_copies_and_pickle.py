@@ -197,3 +197,27 @@ def test_a_pickle_from_before_the_attached_flag_loads_detached() -> None:
     clone = BNPPreconditioner.__new__(BNPPreconditioner)
     clone.__setstate__(copy.deepcopy(state))
     assert not clone.attached and pre.attached
+
+
+def test_copy_safe_hooks_pass_every_argument_and_a_copy_drops_its_stale_pre_hooks() -> None:
+    """Issue 27: the hook wrappers hand the module's arguments and output to the wrapped function unchanged; a
+    copy's inert pre-hook (here one registered with keyword arguments) is forgotten in every table of the copy."""
+    from lightning_bnp.core.copies import CopySafeHook, inert_hook, register_forward_hook, register_forward_pre_hook
+
+    seen: list[tuple[Any, ...]] = []
+    assert CopySafeHook(lambda *a, **k: (a, k))(1, 2, key=3) == ((1, 2), {"key": 3})
+    module, x = nn.Linear(3, 2), torch.randn(4, 3)
+    register_forward_pre_hook(module, lambda m, args: seen.append(("pre", m, args)))
+    register_forward_hook(module, lambda m, args, out: seen.append(("post", m, args, out)))
+    out = module(x)
+    assert [s[0] for s in seen] == ["pre", "post"] and all(s[1] is module for s in seen)
+    assert seen[0][2][0] is x and seen[1][2][0] is x and seen[1][3] is out
+
+    source = nn.Linear(3, 2)
+    source.register_forward_pre_hook(CopySafeHook(lambda m, args, kwargs: None), with_kwargs=True)
+    clone = copy.deepcopy(source)
+    (key,) = clone._forward_pre_hooks
+    assert clone._forward_pre_hooks[key] is inert_hook and key in clone._forward_pre_hooks_with_kwargs
+    register_forward_pre_hook(clone, lambda m, args: None)
+    assert key not in clone._forward_pre_hooks and key not in clone._forward_pre_hooks_with_kwargs
+    assert len(clone._forward_pre_hooks) == 1

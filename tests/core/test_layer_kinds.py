@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_bnp import BNPPreconditioner, LayerKind, register_layer_kind
-from lightning_bnp.core.kinds import layer_kinds, unregister_layer_kind
+from lightning_bnp.core.kinds import ConvNdKind, layer_kinds, unregister_layer_kind
 from lightning_bnp.core.preconditioner import BNPWarning
 from lightning_bnp.core.statistics import Moments, feature_moments, masked_feature_moments
 from tests.transposed import TransposedLinear, as_linear_parameters, transposed
@@ -385,3 +385,123 @@ def test_a_kind_with_several_calls_counts_every_tensor_pair_of_training_forwards
         assert_moments_of_rows(seen["pair"], torch.cat(rows).double() * 0.5)
     finally:
         unregister_layer_kind("Pair")
+
+
+# ----------------------------------------------------------------- LayerKind's defaults (issue 27)
+def test_the_per_class_flags_say_which_defaults_a_subclass_keeps() -> None:
+    def override(method: str) -> type[LayerKind]:
+        return type(method, (LayerKind,), {method: lambda self, *a: None})
+
+    plain = type("Plain", (LayerKind,), {})
+    assert (plain.same_rows, plain.default_input, plain.default_calls) == (True, True, True)
+    assert (override("rows").same_rows, override("bias_rows").same_rows) == (False, False)
+    assert (override("rows").default_input, override("rows").default_calls) == (True, True)
+    assert (override("input").default_input, override("input").same_rows, override("input").default_calls) == (
+        False,
+        True,
+        True,
+    )
+    assert (override("calls").default_calls, override("calls").default_input) == (False, True)
+
+
+def test_the_default_input_is_the_first_argument_else_the_keyword_and_calls_pairs_it_with_the_output() -> None:
+    kind, module = LayerKind(), nn.Linear(3, 3)
+    x, y, out = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    assert kind.input(module, (x, y), {}) is x
+    assert kind.input(module, (), {"input": x}) is x
+    assert kind.input(module, (), {}) is None
+    ((h, o),) = kind.calls(module, (x, y), {}, out)
+    assert h is x and o is out
+    ((h, o),) = kind.calls(module, (), {"input": x}, out)
+    assert h is x and o is out
+
+    class Stashed(LayerKind):  # an input read from the module: the default calls passes the module on
+        def input(self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> object:
+            return module.stashed
+
+    module.stashed = y
+    ((h, o),) = Stashed().calls(module, (x,), {}, out)
+    assert h is y and o is out
+
+
+def test_the_default_weight_is_the_trainable_leaf_of_the_named_parameter() -> None:
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(2, 4))
+            self.gate = nn.Parameter(torch.randn(3, 4))
+
+    class Double(nn.Module):
+        def forward(self, w: Tensor) -> Tensor:
+            return 2 * w
+
+    kind = type("GatedKind", (LayerKind,), {"name": "Gated", "module_type": Gated, "weight_name": "gate"})()
+    gated = Gated()
+    gate = gated.gate
+    assert kind.weight(gated) is gate
+    torch.nn.utils.parametrize.register_parametrization(gated, "gate", Double())
+    assert kind.weight(gated) is gated.parametrizations.gate.original
+    assert kind.weight(gated) is gate  # parametrize keeps the parameter as `original`
+    pruned = nn.Linear(4, 3)
+    torch.nn.utils.prune.l1_unstructured(pruned, "weight", amount=0.5)
+    assert LayerKind().weight(pruned) is pruned.weight_orig  # "weight": the leaf under pruning, not weight_orig·mask
+
+
+def test_the_default_fan_in_is_the_length_of_one_of_the_kinds_rows() -> None:
+    class Tail(LayerKind):  # rows read from the module: the last `module.rows` rows of the weight
+        def rows(self, module: nn.Module, weight: Tensor) -> Tensor:
+            return weight[-module.rows :]
+
+    linear = nn.Linear(5, 3)
+    linear.rows = 1  # a single row
+    assert Tail().fan_in(linear) == Tail().features(linear) == 5
+    assert repr(Tail()) == "Tail(name='')"
+    assert repr(type("Mine", (LayerKind,), {"name": "My.kind"})()) == "Mine(name='My.kind')"
+
+
+def test_a_conv_kind_reduces_per_channel_unless_configured_for_columns() -> None:
+    kind = ConvNdKind("Conv2d", nn.Conv2d)
+    assert (kind.name, kind.module_types(), kind.columns) == ("Conv2d", (nn.Conv2d,), False)
+    conv = nn.Conv2d(2, 3, 3, bias=False).double()
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    channel = kind.moments(conv, x, conv(x))
+    torch.testing.assert_close(channel.mean, x.mean((0, 2, 3)))
+    assert kind.features(conv) == 2 and kind.fan_in(conv) == 18
+    assert kind.configure() is kind and kind.configure(conv_statistics="channel") is kind
+    column = kind.configure(conv_statistics="column")
+    assert (column.name, column.module_types(), column.columns) == ("Conv2d", (nn.Conv2d,), True)
+    assert column.features(conv) == 18 and column.moments(conv, x, conv(x)).mean.shape == (18,)
+    assert column.configure(conv_statistics="column") is column
+    assert column.configure().columns is False
+
+
+def test_embedding_kind_statistics_dtype_padding_and_mask_shape() -> None:
+    kind = layer_kinds()["Embedding"]
+    emb = nn.Embedding(4, 2, padding_idx=0).double()
+    tokens = torch.tensor([[0, 1, 1, 3], [2, 0, 1, 1]])
+    real = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    out = emb(tokens)
+    assert kind.moments(emb, tokens, out).mean.dtype == torch.float64  # a float64 model: float64 statistics
+    masked = kind.masked_moments(emb, tokens, out, real)
+    assert masked.mean.dtype == torch.float64
+    # the real tokens: not the padding index 0, not the masked-out 3: 1, 1, 2, 1, 1
+    torch.testing.assert_close(masked.mean, torch.tensor([0.0, 0.8, 0.2, 0.0], dtype=torch.float64))
+    assert float(masked.rows) == 5
+    assert kind.token_rows(emb, (tokens,), {}, tokens, real) is real
+    assert kind.token_rows(emb, (tokens,), {}, tokens, real.t()) is None
+    assert kind.refuse(emb) is None
+    message = kind.refuse(nn.Embedding(4, 2, sparse=True))
+    assert message is not None and message.endswith(
+        "use sparse=False, or leave the embedding to the optimizer (embeddings=False, or `exclude` it)"
+    )
+
+
+def test_register_layer_kind_errors_name_the_type_and_the_way_out() -> None:
+    with pytest.raises(TypeError, match=r"must be an instance of a LayerKind subclass, got 3 \(int\)$"):
+        register_layer_kind(3)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=r"'Linear' is already registered \(LinearKind\(name='Linear'\)\); pass "
+        r"replace=True to replace it$",
+    ):
+        register_layer_kind(type("Again", (LayerKind,), {"name": "Linear", "module_type": nn.Linear})())
