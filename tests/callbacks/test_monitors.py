@@ -530,8 +530,8 @@ def test_neuron_hessians_of_no_block_is_empty() -> None:
 
 
 class SideBranch(nn.Module):
-    """A Linear whose forward never runs (its weight is used through F.linear, like
-    nn.MultiheadAttention.out_proj): BNP never transforms it."""
+    """A Linear whose forward never runs and whose weight never reaches F.linear (a matmul uses it): BNP sees
+    no input of it and never transforms it (an F.linear call with it would be captured: test_attention.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -539,7 +539,7 @@ class SideBranch(nn.Module):
         self.out_proj = nn.Linear(3, 3)
 
     def forward(self, x: Tensor) -> Tensor:
-        return nn.functional.linear(self.body(x), self.out_proj.weight, self.out_proj.bias)
+        return self.body(x) @ self.out_proj.weight.t() + self.out_proj.bias
 
 
 @pytest.mark.parametrize("bias_correction", [False, True])
