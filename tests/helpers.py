@@ -12,6 +12,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from lightning_bnp.core import BNPPreconditioner
+from lightning_bnp.core.statistics import Moments
+
 
 def _test_accelerator() -> str:
     """``LIGHTNING_BNP_TEST_ACCELERATOR``: where the Lightning integration tests fit (``cpu``, the default and
@@ -116,3 +119,16 @@ def _fit(
     trainer = pl.Trainer(callbacks=callbacks or [], **defaults)
     trainer.fit(model, DataLoader(data, batch_size=batch_size, shuffle=False), ckpt_path=ckpt_path)
     return trainer
+
+
+def spy_moments(pre: BNPPreconditioner) -> dict[str, Moments]:
+    """The pooled moments each layer brings to the latest step of ``pre`` (filled at every step)."""
+    seen: dict[str, Moments] = {}
+    transform = pre._transform
+
+    def recording(ready: list[Any], pending: Any) -> None:
+        seen.update({layer.name: m for layer, m, _ in ready})
+        transform(ready, pending)
+
+    pre._transform = recording  # type: ignore[method-assign]
+    return seen

@@ -16,6 +16,7 @@ from lightning_bnp import BNPPreconditioner, LayerKind, register_layer_kind
 from lightning_bnp.core.kinds import ConvNdKind, layer_kinds, unregister_layer_kind
 from lightning_bnp.core.preconditioner import BNPWarning
 from lightning_bnp.core.statistics import Moments, feature_moments, masked_feature_moments
+from tests.helpers import spy_moments
 from tests.transposed import TransposedLinear, as_linear_parameters, transposed
 
 
@@ -330,19 +331,6 @@ class PairKind(LayerKind):
         return masked_feature_moments(h.to(output.dtype) * module.input_scale, real)
 
 
-def pooled_moments(pre: BNPPreconditioner) -> dict[str, Moments]:
-    """The moments each layer brings to the next step."""
-    seen: dict[str, Moments] = {}
-    transform = pre._transform
-
-    def recording(ready: list[Any], pending: Any) -> None:
-        seen.update({layer.name: m for layer, m, _ in ready})
-        transform(ready, pending)
-
-    pre._transform = recording  # type: ignore[method-assign]
-    return seen
-
-
 def assert_moments_of_rows(m: Moments, rows: Tensor) -> None:
     assert float(m.rows) == rows.shape[0]
     torch.testing.assert_close(m.mean, rows.mean(0), rtol=1e-12, atol=1e-12)
@@ -358,7 +346,7 @@ def test_a_kind_with_several_calls_counts_every_tensor_pair_of_training_forwards
         torch.manual_seed(0)
         net = nn.ModuleDict({"pair": Pair(3, 2, input_scale=0.5).double()})
         pre = BNPPreconditioner(net, layer_types=["Pair"], statistics="batch")
-        seen = pooled_moments(pre)
+        seen = spy_moments(pre)
         a, b, c, junk = (torch.randn(n, 3) * 3 + 1 for n in (4, 5, 6, 7))  # float32 inputs of a float64 layer
         pair = net["pair"]
         with pre.paused():

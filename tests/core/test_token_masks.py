@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from torch import Tensor, nn
 
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
 from lightning_bnp.core.statistics import Moments
+from tests.helpers import spy_moments
 from tests.host_reads import HostReads
 
 LENGTHS = (10, 3, 6, 1)
@@ -36,19 +36,6 @@ def padded(lengths: tuple[int, ...] = LENGTHS, features: int = 8, seed: int = 0)
     return x, mask
 
 
-def spy(pre: BNPPreconditioner) -> dict[str, Moments]:
-    """The pooled moments each layer brings to the latest step."""
-    seen: dict[str, Moments] = {}
-    transform = pre._transform
-
-    def recording(ready: list[Any], pending: Any) -> None:
-        seen.update({layer.name: m for layer, m, _ in ready})
-        transform(ready, pending)
-
-    pre._transform = recording  # type: ignore[method-assign]
-    return seen
-
-
 def check_moments(m: Moments, rows: Tensor) -> None:
     """μ, σ² (biased) and N of ``m`` are those of ``rows`` (R, F), computed by torch directly."""
     assert float(m.rows) == float(m.samples) == float(m.out_positions) == rows.shape[0]
@@ -60,7 +47,7 @@ def test_linear_statistics_are_those_of_the_real_tokens() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4, bias=False))
     pre = BNPPreconditioner(net, statistics="batch")
-    seen = spy(pre)
+    seen = spy_moments(pre)
     x, mask = padded()
     with pre.token_mask(mask):
         hidden = torch.tanh(net[0](x))
@@ -77,7 +64,7 @@ def test_linear_statistics_are_those_of_the_real_tokens() -> None:
 def test_an_integer_mask_counts_nonzero_as_real_and_a_nested_context_restores_the_outer() -> None:
     net = nn.Linear(8, 3)
     pre = BNPPreconditioner(net, statistics="batch")
-    seen = spy(pre)
+    seen = spy_moments(pre)
     x, mask = padded()
     with pre.token_mask(mask.long()):  # Hugging Face's attention_mask: 1 = real
         with pre.token_mask(None):
@@ -147,7 +134,7 @@ def test_multihead_attention_statistics_are_those_of_the_real_tokens(batch_first
     torch.manual_seed(0)
     block = Block(batch_first)
     pre = BNPPreconditioner(block, statistics="batch")
-    seen = spy(pre)
+    seen = spy_moments(pre)
     x, mask = padded()
     memory, memory_mask = padded((4, 9, 2, 5), features=6, seed=3)
     token_mask = mask if batch_first else mask.t()  # the layout the layers see
@@ -182,7 +169,7 @@ def test_a_mask_that_does_not_fit_a_layer_names_the_layer_and_both_shapes() -> N
             net(x)
     with pre.token_mask(mask, layers="0"):  # the head sees one row per sequence: left out, every row counts
         net(x).sum().backward()
-    seen = spy(pre)
+    seen = spy_moments(pre)
     pre.step()
     assert float(seen["0"].rows) == int(mask.sum()) and seen["2"].rows == 4
     with pytest.raises(ValueError, match=r"`layers` pattern 'encoder\.\*' matches no BNP layer"):
@@ -223,7 +210,7 @@ def test_jagged_nested_tensors_use_their_real_rows() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     pre = BNPPreconditioner(net, statistics="batch")
-    seen = spy(pre)
+    seen = spy_moments(pre)
     rows = [torch.randn(n, 8) for n in LENGTHS]
     nested = torch.nested.nested_tensor(rows, layout=torch.jagged)
     net(nested).values().square().sum().backward()
@@ -254,7 +241,7 @@ def test_token_masks_under_compile_are_one_graph_and_equal_eager() -> None:
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     twin = copy.deepcopy(net)
     eager, compiled_pre = BNPPreconditioner(twin, statistics="batch"), BNPPreconditioner(net, statistics="batch")
-    seen_eager, seen = spy(eager), spy(compiled_pre)
+    seen_eager, seen = spy_moments(eager), spy_moments(compiled_pre)
     counter = torch._dynamo.testing.CompileCounter()
     forward = torch.compile(net, backend=counter, fullgraph=True)
     for seed, lengths in enumerate([LENGTHS, (2, 10, 9, 4), (10, 10, 1, 5)]):  # one shape
@@ -305,7 +292,7 @@ def test_transformer_encoder_with_its_float_key_padding_mask() -> None:
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
     encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     pre = BNPPreconditioner(encoder, statistics="batch")
-    seen = spy(pre)
+    seen = spy_moments(pre)
     x, mask = padded()
     with pre.token_mask(mask):
         out = encoder(x, src_key_padding_mask=~mask)
