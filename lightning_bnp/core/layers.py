@@ -6,6 +6,8 @@ is: their forward calls feed one set of statistics and the shared gradient is tr
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -24,11 +26,24 @@ from lightning_bnp.core.transform import precondition_
 if TYPE_CHECKING:
     from lightning_bnp.core.kinds import LayerKind
 
-__all__ = ["NO_LEAF", "BNPWarning", "StepTransform", "make_layers", "weight_leaf"]
+__all__ = ["NO_LEAF", "BNPWarning", "StepTransform", "make_layers", "user_stacklevel", "weight_leaf"]
 
 
 class BNPWarning(UserWarning):
     """Raised (once per layer and cause) for managed layers that BNP cannot precondition in a step."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` made by the caller of this function that names the first frame
+    outside the ``lightning_bnp`` package — the user's line (or Lightning's), however deep inside BNP the warning
+    is raised (``pre.step()`` → ``precondition`` → …)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def weight_leaf(module: nn.Module) -> Tensor:
@@ -177,7 +192,7 @@ def make_layers(
                     f"{owner!r}'s inputs only. Manage both (they are then pooled as one layer) or exclude both "
                     f"(exclude={[owner]!r} when {name!r} is of a type BNP does not know).",
                     BNPWarning,
-                    stacklevel=4,
+                    stacklevel=user_stacklevel(),
                 )
     return {layer.name: layer for layer in layers.values()}
 

@@ -68,7 +68,7 @@ from lightning_bnp.core.attention import capturing, stop_capturing
 from lightning_bnp.core.copies import register_forward_hook, register_forward_pre_hook
 from lightning_bnp.core.coverage import Coverage, coverage
 from lightning_bnp.core.kinds import EMBEDDING, layer_kinds, select_layer_kinds
-from lightning_bnp.core.layers import NO_LEAF, BNPWarning, StepTransform, _Layer, make_layers
+from lightning_bnp.core.layers import NO_LEAF, BNPWarning, StepTransform, _Layer, make_layers, user_stacklevel
 from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.reparametrization import manageable, unsupported
 from lightning_bnp.core.selection import validate_layer_types
@@ -1184,7 +1184,8 @@ class BNPPreconditioner(ArgumentsRepr):
         if (layer.name, cause) in self._warned:
             return
         self._warned.add((layer.name, cause))
-        warnings.warn(f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}", BNPWarning, stacklevel=3)
+        message = f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}"
+        warnings.warn(message, BNPWarning, stacklevel=user_stacklevel())
 
     def step_transforms(self, params: Iterable[Tensor]) -> dict[str, tuple[_Layer, StepTransform]]:
         """``{layer name: (layer, transform)}`` for the layers among ``params`` that the latest
@@ -1264,5 +1265,5 @@ class BNPPreconditioner(ArgumentsRepr):
                 f"BNP statistics loaded from a state saved with other settings ({described}); they continue "
                 "under the current settings.",
                 BNPWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
