@@ -392,6 +392,7 @@ def test_an_old_state_counts_as_per_channel_statistics(old: str) -> None:
     BNPPreconditioner(nn.Sequential(nn.Conv2d(2, 3, 3))).load_state_dict(state)
 
 
+@pytest.mark.stack
 def test_statistics_saved_with_other_settings_warn_at_the_callers_line() -> None:
     state = BNPPreconditioner(nn.Linear(3, 2), rho=0.9, eps1=0.5).state_dict()
     pre = BNPPreconditioner(nn.Linear(3, 2))
@@ -466,6 +467,7 @@ def test_report_names_five_skipped_matrices_by_default() -> None:
     assert report.count("excluded") == 5 and report.endswith("; and 2 more")
 
 
+@pytest.mark.stack
 def test_a_layers_warning_points_at_the_line_that_called_precondition() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
     pre = BNPPreconditioner(model)
