@@ -6,8 +6,6 @@ is: their forward calls feed one set of statistics and the shared gradient is tr
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -20,30 +18,18 @@ from torch.nn.utils import parametrize
 
 from lightning_bnp.core import reparametrization
 from lightning_bnp.core.reparametrization import NO_LEAF
+from lightning_bnp.core.stack import user_stacklevel
 from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics_dtype
 from lightning_bnp.core.transform import precondition_
 
 if TYPE_CHECKING:
     from lightning_bnp.core.kinds import LayerKind
 
-__all__ = ["NO_LEAF", "BNPWarning", "StepTransform", "make_layers", "user_stacklevel", "weight_leaf"]
+__all__ = ["NO_LEAF", "BNPWarning", "StepTransform", "make_layers", "weight_leaf"]
 
 
 class BNPWarning(UserWarning):
     """Raised (once per layer and cause) for managed layers that BNP cannot precondition in a step."""
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` for a ``warnings.warn`` made by the caller of this function that names the first frame
-    outside the ``lightning_bnp`` package — the user's line (or Lightning's), however deep inside BNP the warning
-    is raised (``pre.step()`` → ``precondition`` → …)."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def weight_leaf(module: nn.Module) -> Tensor:

@@ -68,10 +68,11 @@ from lightning_bnp.core.attention import capturing, stop_capturing
 from lightning_bnp.core.copies import register_forward_hook, register_forward_pre_hook
 from lightning_bnp.core.coverage import Coverage, coverage
 from lightning_bnp.core.kinds import EMBEDDING, layer_kinds, select_layer_kinds
-from lightning_bnp.core.layers import NO_LEAF, BNPWarning, StepTransform, _Layer, make_layers, user_stacklevel
+from lightning_bnp.core.layers import NO_LEAF, BNPWarning, StepTransform, _Layer, make_layers
 from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.reparametrization import manageable, unsupported
 from lightning_bnp.core.selection import validate_layer_types
+from lightning_bnp.core.stack import user_stacklevel
 from lightning_bnp.core.statistics import Moments, RunningStatistics, ema_update
 from lightning_bnp.core.transform import precondition_scaled_, q_squared, var_tilde
 from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_patterns

@@ -31,6 +31,8 @@ from torch.nn.utils import parametrize, prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from lightning_bnp.core.stack import user_stacklevel
+
 __all__ = ["NO_LEAF", "bias_leaf", "describe", "lazy_names", "manageable", "unsupported", "weight_leaf"]
 
 # what `weight_leaf` gives for a layer BNP leaves alone: no gradient, not trainable, in no optimizer,
@@ -162,7 +164,7 @@ def manageable(selected: dict[str, nn.Module], category: type[Warning]) -> dict[
             f"BNP layer {name!r} ({type(module).__name__}) is left alone: {reason}. Exclude it with `exclude` "
             "to silence this warning (README 'Reparametrized layers').",
             category,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     if not kept:
         raise ValueError(

@@ -254,3 +254,13 @@ def test_a_parametrization_on_another_tensor_does_not_hide_the_plain_weight() ->
     no_weight = nn.Linear(3, 2)
     no_weight.register_parameter("weight", None)
     assert weight_leaf(no_weight) is NO_LEAF
+
+
+@pytest.mark.stack
+def test_the_setup_warning_for_a_layer_left_alone_names_the_callers_line() -> None:
+    """The warning points at the line that built the preconditioner, however deep inside BNP it is raised."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    parametrizations.spectral_norm(model[0])
+    with pytest.warns(BNPWarning, match="left alone") as record:
+        BNPPreconditioner(model)
+    assert [w.filename for w in record if issubclass(w.category, BNPWarning)] == [__file__]
