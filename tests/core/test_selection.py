@@ -17,3 +17,15 @@ def test_select_layers_names_the_pattern_argument_it_refuses(name: str) -> None:
     with pytest.raises(TypeError, match=rf"^`{name}` must be a string or a list of strings, got 3$"):
         select_layers(model, ["Linear"], **{name: 3})
     assert list(select_layers(model, "Linear", **{name: "0"})) == (["0"] if name == "include" else ["1"])
+
+
+def test_select_layers_refuses_no_layer_type_and_names_the_types_a_pattern_did_not_match() -> None:
+    """Issue 27 (`make mutate` survivors): an empty ``layer_types`` is refused as such; a pattern that matches no
+    layer names the pattern, every selected type (joined by ``/``) and the candidates."""
+    model = nn.Sequential(nn.Linear(2, 3), nn.Conv1d(3, 1, 1))
+    with pytest.raises(ValueError, match=r"^`layer_types` must name at least one layer type, got \[\]$"):
+        select_layers(model, [])
+    with pytest.raises(
+        ValueError, match=r"^`exclude` pattern 'head\*' matches no Linear/Conv1d layer; candidates are \['0', '1'\]$"
+    ):
+        select_layers(model, ["Linear", "Conv1d"], exclude=["head*"])

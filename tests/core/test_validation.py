@@ -86,3 +86,25 @@ def test_check_patterns() -> None:
 def test_check_int_without_a_bound_names_no_bound() -> None:
     with pytest.raises(TypeError, match=r"^`n` must be an integer, got 'a' \(str\)$"):
         check_int("n", "a")
+
+
+def test_check_float_bounds_are_closed_unless_said_open_and_the_message_shows_which() -> None:
+    """Issue 27 (`make mutate` survivors): a closed upper bound accepts the bound itself, an open one refuses it;
+    the message writes the interval as it is: ``[0, 1]`` both closed, ``< 1`` / ``<= 1`` for an upper bound alone."""
+    assert check_float("x", 1.0, high=1.0) == 1.0
+    assert check_float("x", 1, low=0.0, high=1.0) == 1.0
+    with pytest.raises(ValueError, match=r"^`x` must be a finite number <= 1, got 1.5$"):
+        check_float("x", 1.5, high=1.0)
+    with pytest.raises(ValueError, match=r"^`x` must be a finite number < 1, got 1.0$"):
+        check_float("x", 1.0, high=1.0, high_open=True)
+    with pytest.raises(ValueError, match=r"^`x` must be a finite number in \[0, 1\], got 2.0$"):
+        check_float("x", 2.0, low=0.0, high=1.0)
+    with pytest.raises(ValueError, match=r"^`x` must be a finite number in \(0, 1\], got 0.0$"):
+        check_float("x", 0.0, low=0.0, high=1.0, low_open=True)
+
+
+@pytest.mark.parametrize(("value", "type_name"), [("false", "str"), (0, "int"), (None, "NoneType")])
+def test_check_bool_names_the_type_it_was_given(value: Any, type_name: str) -> None:
+    """Issue 27: the message ends with the type of the value given (``'false'`` is a str, not a bool)."""
+    with pytest.raises(TypeError, match=rf"^`b` must be a bool \(True or False\), got {value!r} \({type_name}\)$"):
+        check_bool("b", value)
