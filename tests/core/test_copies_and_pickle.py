@@ -221,3 +221,25 @@ def test_copy_safe_hooks_pass_every_argument_and_a_copy_drops_its_stale_pre_hook
     register_forward_pre_hook(clone, lambda m, args: None)
     assert key not in clone._forward_pre_hooks and key not in clone._forward_pre_hooks_with_kwargs
     assert len(clone._forward_pre_hooks) == 1
+
+
+def test_a_copy_drops_its_stale_forward_hooks_from_every_table() -> None:
+    """Issue 27 (`make mutate` survivors): the inert forward hooks of a copy (one plain, one registered with keyword
+    arguments and ``always_call``) are forgotten in all three of the copy's hook tables when a new hook is
+    registered on it; the new hook is the only one left, and the only one called."""
+    from lightning_bnp.core.copies import CopySafeHook, inert_hook, register_forward_hook
+
+    source = nn.Linear(3, 2)
+    source.register_forward_hook(CopySafeHook(lambda m, args, out: None))
+    source.register_forward_hook(CopySafeHook(lambda m, args, kwargs, out: None), with_kwargs=True, always_call=True)
+    clone = copy.deepcopy(source)
+    plain, keyed = clone._forward_hooks
+    assert clone._forward_hooks[plain] is inert_hook and clone._forward_hooks[keyed] is inert_hook
+    assert plain not in clone._forward_hooks_with_kwargs and keyed in clone._forward_hooks_with_kwargs
+    assert keyed in clone._forward_hooks_always_called
+    seen: list[Tensor] = []
+    handle = register_forward_hook(clone, lambda m, args, out: seen.append(out))
+    assert list(clone._forward_hooks) == [handle.id]
+    assert not clone._forward_hooks_with_kwargs and not clone._forward_hooks_always_called
+    out = clone(torch.randn(4, 3))
+    assert len(seen) == 1 and seen[0] is out
