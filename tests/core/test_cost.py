@@ -78,6 +78,18 @@ def test_feature_layout_per_layer_values_are_one_entry_per_layer_built_once_per_
     assert on_meta.per_layer([1.0, 2.0]).shape == (3,)
 
 
+def test_feature_layout_decay_target_is_kappa_per_layer_in_the_statistics_dtype() -> None:
+    """Issue 27 (`make mutate` survivors): the running update's batch value of d = ρ^t + κ is κ = ``decay_offset``
+    per layer, 0 by default (plain ρ^t: ``RunningStatistics``' default), in the statistics' dtype (float64 here: a
+    float32 κ = 0.1 would not be float64's 0.1); ``owner`` names each entry's layer."""
+    cpu = torch.device("cpu")
+    plain = FeatureLayout([3, 1, 2], [True, False, True], cpu, torch.float64)
+    assert plain.decay_target.dtype == torch.float64 and plain.decay_target.tolist() == [0.0, 0.0, 0.0]
+    assert plain.owner.tolist() == [0, 0, 0, 1, 2, 2]
+    offset = FeatureLayout([3, 1, 2], [True, True, True], cpu, torch.float64, 0.1)
+    assert offset.decay_target.dtype == torch.float64 and offset.decay_target.tolist() == [0.1, 0.1, 0.1]
+
+
 class Mixed(nn.Module):
     """A conv without bias, a grouped conv with bias and two Linear layers, one of them used only on
     some steps (so that the layers reach different step counts)."""
