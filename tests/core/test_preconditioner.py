@@ -424,6 +424,29 @@ def test_a_model_cast_between_steps_continues_its_running_statistics() -> None:
     torch.testing.assert_close(running.mean_acc, expected, rtol=1e-6, atol=1e-7)
 
 
+def test_running_statistics_live_where_the_model_steps_also_after_a_move() -> None:
+    """Issue 27 (`make mutate` survivors): the accumulators, ρ^t + κ and the device step count of every layer are on
+    the device of the step: the first step of a model on ``meta`` (its counts start as host ints) and the next step
+    of a model moved there after a CPU step (its counts already tensors). ``meta`` makes a tensor left on (or made
+    on) the CPU show on a CPU-only machine."""
+    meta = torch.device("meta")
+    for moved in (False, True):
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        x = torch.randn(5, 3)
+        pre = BNPPreconditioner(model.to(meta) if not moved else model)
+        if moved:
+            model(x).sum().backward()
+            pre.step()
+            model.to(meta).zero_grad()
+        model(x.to(meta)).sum().backward()
+        pre.step()
+        for layer in pre.layers.values():
+            running = layer.running
+            assert isinstance(running._steps, torch.Tensor), moved
+            tensors = (running.mean_acc, running.var_acc, running.decay, running._steps)
+            assert [t.device for t in tensors] == [meta] * 4, moved
+
+
 def test_a_step_count_set_by_hand_is_the_next_steps() -> None:
     """``running.steps = 0`` restarts the count (and ρ^t) that the next step continues from."""
     layer = nn.Linear(3, 2)
