@@ -161,7 +161,9 @@ def precondition_scaled_(
             g_shape, v_shape, b_shape, per_column = shapes(tuple(g.shape), k, scale.numel())
             columns.append(per_column)
             g = g if g_shape is None else g.view(g_shape)
-            scale = scale if scale.dtype == g.dtype else scale.to(g.dtype)  # applied in the gradient's dtype
+            # q²σ̃² stays in the statistics' dtype (float32 for a half model): the division rounds once, into the
+            # gradient's dtype. A float16 copy would be inf above 65504 (features of σ > 256) and 0 below 6e-8:
+            # the gradient zeroed or infinite where the formula's value is a float16 number
             gw.append(g)
             scale_w.append(scale if v_shape is None else scale.view(v_shape))
             if gb is not None and mu is not None:

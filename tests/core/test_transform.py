@@ -124,8 +124,8 @@ def test_a_layer_is_centred_only_when_both_its_bias_gradient_and_mu_are_given() 
 
 @pytest.mark.parametrize("groups", [1, 2])
 def test_half_gradients_with_float32_statistics_stay_half(groups: int) -> None:
-    """Issue 27 (`make mutate` survivors): statistics are float32 for a half model; μ and q²σ̃² are applied in the
-    gradient's dtype (mixing them fails in ``addmv``/``baddbmm``), and the result is the formula to half precision."""
+    """Issue 27 (`make mutate` survivors): statistics are float32 for a half model; μ is applied in the gradient's
+    dtype (mixing them fails in ``addmv``/``baddbmm``), and the result is the formula to half precision."""
     g = torch.Generator().manual_seed(0)
     grad_w = torch.randn(4, 4 // groups, 3, generator=g).half()
     grad_b = torch.randn(4, generator=g).half()
@@ -135,3 +135,55 @@ def test_half_gradients_with_float32_statistics_stay_half(groups: int) -> None:
     assert grad_w.dtype == grad_b.dtype == torch.float16
     torch.testing.assert_close(grad_w.double(), expected_w, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(grad_b.double(), expected_b, rtol=1e-2, atol=1e-2)
+
+
+def test_a_half_gradient_is_divided_by_the_float32_q2_var_t_beyond_the_half_range() -> None:
+    """Issue 27 (a `make mutate` survivor showed it): q²σ̃² of float32 statistics divides a float16 gradient as it is.
+    Rounded to float16 first, 1e5 (σ > 256: a feature whose square float16 cannot hold) became inf and zeroed its
+    column, and 1e-8 became 0 and made it infinite, where the formula's values (explicit P·Pᵀ in float64) are
+    float16 numbers: 7e-5 and 1e4."""
+    grad_w = torch.tensor([[8.0, 1.0, 1e-4], [-16.0, 2.0, -2e-4]], dtype=torch.float16)
+    grad_b = torch.tensor([2.0, -1.0], dtype=torch.float16)
+    mu, var_t = torch.tensor([0.5, 0.25, 0.0]), torch.tensor([1e5, 1.0, 1e-8])
+    expected_w, expected_b = reference(grad_w.double(), grad_b.double(), mu.double(), var_t.double(), 1.0, 1)
+    precondition_(grad_w, grad_b, mu, var_t, 1.0)
+    assert grad_w.dtype == grad_b.dtype == torch.float16 and bool(grad_w.isfinite().all())
+    torch.testing.assert_close(grad_w.double(), expected_w, rtol=2e-3, atol=0)
+    torch.testing.assert_close(grad_b.double(), expected_b, rtol=2e-3, atol=0)
+    uncentred = torch.tensor([[8.0, 1e-4]], dtype=torch.float16)
+    precondition_(uncentred, None, None, torch.tensor([1e5, 1e-8]), 1.0)
+    torch.testing.assert_close(uncentred.double(), torch.tensor([[8e-5, 1e4]], dtype=torch.float64), rtol=2e-3, atol=0)
+
+
+def test_a_half_model_with_features_beyond_sigma_256_gets_the_formulas_gradient() -> None:
+    """The same through a BNP step: a float16 model whose inputs have σ ≈ 400 (σ² > 65504, float32 statistics)
+    gets eq. 15's gradient for its first layer, by hand from the batch's μ, σ² (q² = max(3/8, 1) = 1), not 0."""
+    from lightning_bnp.core import BNPPreconditioner
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).half()
+    pre = BNPPreconditioner(model, statistics="batch", eps1=0.01, eps2=1e-4)
+    x = (torch.randn(8, 3) * 400).half()
+    model(x).float().sin().sum().backward()
+    layer = model[0]
+    assert layer.weight.grad is not None and layer.bias.grad is not None
+    grad_w, grad_b = layer.weight.grad.double(), layer.bias.grad.double()
+    h = x.double()
+    mu, var = h.mean(0), h.var(0, unbiased=False)
+    assert bool((var > 65504).all())
+    expected_w, _ = reference(grad_w, grad_b, mu, var + 0.01 * var.max() + 1e-4, 1.0, 1)
+    pre.step()
+    assert bool((layer.weight.grad != 0).all())
+    torch.testing.assert_close(layer.weight.grad.double(), expected_w, rtol=1e-2, atol=0)
+
+
+def test_the_views_of_a_weight_shape_are_worked_out_once() -> None:
+    """Issue 16 (and a `make mutate` survivor of issue 27): the step works out how a gradient of a given shape meets
+    its statistics once per (shape, groups, features), then takes it from the cache every step."""
+    from lightning_bnp.core.transform import _broadcast_shapes
+
+    _broadcast_shapes.cache_clear()
+    for _ in range(3):
+        precondition_(torch.randn(4, 2, 3), torch.randn(4), torch.randn(4), torch.rand(4) + 0.5, 1.5, groups=2)
+    info = _broadcast_shapes.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
