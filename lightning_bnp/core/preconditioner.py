@@ -155,7 +155,8 @@ _NEVER_RAN = (
     "since the last step (e.g. its parent uses its weight through F.linear: teach BNP with "
     "lightning_bnp.core.attention.register_functional_linear; or "
     "torch.compile reused a graph compiled without BNP's hooks: README 'Cost'); its gradient is left "
-    "untransformed. Exclude it with `exclude` to silence this warning."
+    "untransformed (with statistics pooled over ranks, `sync_statistics`: transformed with the statistics of the "
+    "ranks that ran it, untransformed only if none did). Exclude it with `exclude` to silence this warning."
 )
 _TWICE = (
     "its gradient was already preconditioned by the previous step() and no backward has changed it "
