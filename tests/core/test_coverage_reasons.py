@@ -126,3 +126,16 @@ def test_a_parametrized_module_of_an_unknown_type_is_named_by_its_own_class() ->
     expected = "unknown layer type tests.core.test_coverage_reasons.Affine (teach BNP with register_layer_kind)"
     assert pre.skipped == {"0.parametrizations.matrix.original": expected}
     pre.detach()
+
+
+def test_a_parametrized_positional_parameter_is_named_by_its_own_name() -> None:
+    """``<module>.parametrizations.pos.original``: the reason reads the parameter's name (``pos``), not the
+    parametrization's path, and calls it a positional parameter, as it does the plain one."""
+    table = Table()
+    parametrize.register_parametrization(table, "pos", Double())
+    pre = BNPPreconditioner(nn.Sequential(table, nn.Linear(4, 4)))
+    assert pre.skipped == {
+        "0.embed_matrix": "embedding / positional parameter 'embed_matrix' of Table",
+        "0.parametrizations.pos.original": "embedding / positional parameter 'pos' of Table",
+    }
+    pre.detach()
