@@ -241,3 +241,20 @@ def test_two_row_blocks_of_one_weight_are_one_entry_each_with_its_own_q2() -> No
     finally:
         for kind in kinds:
             unregister_layer_kind(kind.name)
+
+
+def test_a_step_with_counts_on_the_device_makes_them_where_the_statistics_live() -> None:
+    """On the ``meta`` device (a tensor made on the default device would show on a CPU-only machine): the masked
+    Linear's count and the convolution's host counts, its fan-in and the q² built from them all stay on the
+    model's device through a whole step."""
+    meta = torch.device("meta")
+    net = ConvThenTokens().to(meta)
+    pre = BNPPreconditioner(net, rho=0.5)
+    with pre.token_mask(torch.ones(2, 16, dtype=torch.bool, device=meta), layers="lin"):
+        net(torch.empty(2, 3, 6, 6, device=meta)).sum().backward()
+    pre.precondition()
+    for name, layer in pre.layers.items():
+        transform = layer.transform
+        assert transform is not None and isinstance(transform.q2, Tensor) and transform.q2.device == meta, name
+        assert transform.var_t.device == layer.running.mean_acc.device == meta, name
+    assert net.conv.weight.grad is not None and net.conv.weight.grad.device == meta
