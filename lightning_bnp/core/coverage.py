@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core.kinds import LayerKind, kinds_for, kinds_of, layer_kinds
+from lightning_bnp.core.kinds import LINEAR_FAMILY, LayerKind, kinds_for, kinds_of, layer_kinds
 from lightning_bnp.core.reparametrization import unsupported
 
 if TYPE_CHECKING:
@@ -127,12 +127,31 @@ def _reason(
         return f"a parameter of its {cls.__name__} layer that no layer kind feeds"
     # a layer's name is its module's, or its parent's plus a suffix (`attn.q`, `attn.out_proj`: core/attention.py)
     names = (owner_name, owner_name.rpartition(".")[0], *(f"{owner_name}{k.suffix}" for k in kinds))
+    names += _claimer_names(owner, modules, selected_kinds, known)
     if include is not None and not any(fnmatchcase(n, p) for n in names for p in include):
         return f"not matched by `include` {list(include)}"
     matched = [p for p in exclude or () if any(fnmatchcase(n, p) for n in names)]
     if matched:
         return f"excluded by `exclude` pattern {matched[0]!r}"
     return "reparametrized (torch.nn.utils.parametrize) in a form BNP does not follow"
+
+
+def _claimer_names(
+    owner: nn.Module, modules: dict[str, nn.Module], selected_kinds: list[LayerKind], known: list[LayerKind]
+) -> tuple[str, ...]:
+    """Names of the modules (and their layers) whose kind feeds ``owner``'s weight in its place — a parent that
+    uses it through ``F.linear``, registered (an attention's ``out_proj``) or read from its source — as
+    :func:`~lightning_bnp.core.kinds.select_layer_kinds` claims it: ``include``/``exclude`` select ``owner`` under
+    them (also where ``owner`` is reached first under another name, a module shared elsewhere in the model)."""
+    from lightning_bnp.core.attention import inferred_functional_linears
+
+    linear = any(k.name == LINEAR_FAMILY for k in selected_kinds)  # as select_layer_kinds reads sources
+    names: list[str] = []
+    for name, module in modules.items():
+        kinds = [k for k in kinds_of(module, known) if k in selected_kinds]
+        kinds += inferred_functional_linears(module) if linear else []
+        names += [n for k in kinds if any(c is owner for c in k.claims(module)) for n in (name, f"{name}{k.suffix}")]
+    return tuple(names)
 
 
 def _weight_of(kind: LayerKind, module: nn.Module) -> object:
