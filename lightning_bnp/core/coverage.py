@@ -125,9 +125,13 @@ def _reason(
         return f"layer type {kinds[0].name!r} is not in `layer_types`"
     if not fed:
         return f"a parameter of its {cls.__name__} layer that no layer kind feeds"
-    # a layer's name is its module's, or its parent's plus a suffix (`attn.q`, `attn.out_proj`: core/attention.py)
-    names = (owner_name, owner_name.rpartition(".")[0], *(f"{owner_name}{k.suffix}" for k in kinds))
-    names += _claimer_names(owner, modules, selected_kinds, known)
+    # a layer's name is its module's, or its parent's plus a suffix (`attn.q`, `attn.out_proj`: core/attention.py);
+    # a module that a parent feeds in its place is selected under the parent's names only
+    names = _claimer_names(owner, modules, selected_kinds, known) or (
+        owner_name,
+        owner_name.rpartition(".")[0],
+        *(f"{owner_name}{k.suffix}" for k in kinds),
+    )
     if include is not None and not any(fnmatchcase(n, p) for n in names for p in include):
         return f"not matched by `include` {list(include)}"
     matched = [p for p in exclude or () if any(fnmatchcase(n, p) for n in names)]

@@ -165,6 +165,7 @@ def test_a_linear_a_dropped_parent_feeds_in_its_place_is_named_for_the_parents_p
         ({"exclude": ["attn"]}, "excluded by `exclude` pattern 'attn'"),
         ({"exclude": ["attn.out_proj"]}, "excluded by `exclude` pattern 'attn.out_proj'"),
         ({"include": ["b"]}, "not matched by `include` ['b']"),
+        ({"include": ["?"]}, "not matched by `include` ['?']"),  # `a`, `b`: a is selected under attn's names only
     ]
     for options, reason in cases:
         pre = BNPPreconditioner(model, **options)  # type: ignore[arg-type]
