@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core.kinds import LayerKind, kinds_for, kinds_of, layer_kinds
+from lightning_bnp.core.kinds import LINEAR_FAMILY, LayerKind, kinds_for, kinds_of, layer_kinds
 from lightning_bnp.core.reparametrization import unsupported
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ def coverage(
     managed = {id(layer.weight): layer for layer in layers}
     selected_kinds, known = kinds_for(layer_types), list(layer_kinds().values())
     modules = dict(model.named_modules())
+    claimers: dict[int, tuple[str, ...]] | None = None  # built at the first weight that needs it
     transformed: list[str] = []
     trainable: dict[str, str] = {}
     frozen: dict[str, str] = {}
@@ -85,7 +86,9 @@ def coverage(
             else:
                 frozen[name] = "frozen (requires_grad=False); transformed once it trains"
             continue
-        reason = _reason(name, p, modules, selected_kinds, known, include, exclude)
+        if claimers is None:
+            claimers = _claimer_names(modules, selected_kinds, known)
+        reason = _reason(name, p, modules, selected_kinds, known, include, exclude, claimers)
         (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
     count = len(transformed) + len(trainable)
     return Coverage(tuple(transformed), {**trainable, **frozen}, count)
@@ -99,6 +102,7 @@ def _reason(
     known: list[LayerKind],
     include: Sequence[str] | None,
     exclude: Sequence[str] | None,
+    claimers: dict[int, tuple[str, ...]],
 ) -> str:
     owner_name, _, attr = name.rpartition(".")
     if ".parametrizations." in f".{name}":  # <module>.parametrizations.<tensor>.original…: the module's <tensor>
@@ -125,14 +129,40 @@ def _reason(
         return f"layer type {kinds[0].name!r} is not in `layer_types`"
     if not fed:
         return f"a parameter of its {cls.__name__} layer that no layer kind feeds"
-    # a layer's name is its module's, or its parent's plus a suffix (`attn.q`, `attn.out_proj`: core/attention.py)
-    names = (owner_name, owner_name.rpartition(".")[0], *(f"{owner_name}{k.suffix}" for k in kinds))
+    # a layer's name is its module's, or its parent's plus a suffix (`attn.q`, `attn.out_proj`: core/attention.py);
+    # a module that a parent feeds in its place is selected under the parent's names only
+    names = claimers.get(id(owner)) or (
+        owner_name,
+        owner_name.rpartition(".")[0],
+        *(f"{owner_name}{k.suffix}" for k in kinds),
+    )
     if include is not None and not any(fnmatchcase(n, p) for n in names for p in include):
         return f"not matched by `include` {list(include)}"
     matched = [p for p in exclude or () if any(fnmatchcase(n, p) for n in names)]
     if matched:
         return f"excluded by `exclude` pattern {matched[0]!r}"
     return "reparametrized (torch.nn.utils.parametrize) in a form BNP does not follow"
+
+
+def _claimer_names(
+    modules: dict[str, nn.Module], selected_kinds: list[LayerKind], known: list[LayerKind]
+) -> dict[int, tuple[str, ...]]:
+    """``{id(module): names}`` for the modules whose weight a parent's kind feeds in their place — a parent that
+    uses it through ``F.linear``, registered (an attention's ``out_proj``) or read from its source — as
+    :func:`~lightning_bnp.core.kinds.select_layer_kinds` claims them: the parents' names and their layers' names,
+    under which ``include``/``exclude`` select such a module (also where it is reached first under another name, a
+    module shared elsewhere in the model)."""
+    from lightning_bnp.core.attention import inferred_functional_linears
+
+    linear = any(k.name == LINEAR_FAMILY for k in selected_kinds)  # as select_layer_kinds reads sources
+    names: dict[int, tuple[str, ...]] = {}
+    for name, module in modules.items():
+        kinds = [k for k in kinds_of(module, known) if k in selected_kinds]
+        kinds += inferred_functional_linears(module) if linear else []
+        for kind in kinds:
+            for claimed in kind.claims(module):
+                names[id(claimed)] = (*names.get(id(claimed), ()), name, f"{name}{kind.suffix}")
+    return names
 
 
 def _weight_of(kind: LayerKind, module: nn.Module) -> object:

@@ -3,6 +3,8 @@ reference built from the single-layer functions (running view, σ̃², eq. 15/23
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -202,3 +204,24 @@ def test_var_mean_statistics_equal_the_fused_kernel(
     assert (fused.rows, fused.samples, fused.out_positions) == (generic.rows, generic.samples, generic.out_positions)
     torch.testing.assert_close(generic.mean, fused.mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(generic.var, fused.var, rtol=1e-12, atol=1e-12)
+
+
+def test_at_most_sixteen_layouts_are_kept_the_oldest_dropped_first() -> None:
+    """A flat layout is built once per set of layers stepped together (``precondition(params)``); the 17th set
+    drops the first one built (the earliest), keeping the other 16 as they were."""
+    torch.manual_seed(0)
+    linears = [nn.Linear(3, 3) for _ in range(5)]
+    model = nn.Sequential(*linears)
+    pre = BNPPreconditioner(model)
+    names = [str(i) for i in range(5)]
+    sets = [list(s) for k in (2, 3) for s in itertools.combinations(names, k)][:17]
+    x = torch.randn(4, 3)
+    built = []
+    for chosen in sets:
+        model.zero_grad()
+        model(x).square().sum().backward()
+        pre.precondition([linears[int(name)].weight for name in chosen])
+        built.append(next(layout for key, layout in pre._layouts.items() if list(key[0]) == chosen))
+    assert len(pre._layouts) == 16
+    assert [list(key[0]) for key in pre._layouts] == sets[1:]
+    assert all(kept is made for kept, made in zip(pre._layouts.values(), built[1:], strict=True))

@@ -126,3 +126,54 @@ def test_a_parametrized_module_of_an_unknown_type_is_named_by_its_own_class() ->
     expected = "unknown layer type tests.core.test_coverage_reasons.Affine (teach BNP with register_layer_kind)"
     assert pre.skipped == {"0.parametrizations.matrix.original": expected}
     pre.detach()
+
+
+def test_a_parametrized_positional_parameter_is_named_by_its_own_name() -> None:
+    """``<module>.parametrizations.pos.original``: the reason reads the parameter's name (``pos``), not the
+    parametrization's path, and calls it a positional parameter, as it does the plain one."""
+    table = Table()
+    parametrize.register_parametrization(table, "pos", Double())
+    pre = BNPPreconditioner(nn.Sequential(table, nn.Linear(4, 4)))
+    assert pre.skipped == {
+        "0.embed_matrix": "embedding / positional parameter 'embed_matrix' of Table",
+        "0.parametrizations.pos.original": "embedding / positional parameter 'pos' of Table",
+    }
+    pre.detach()
+
+
+class FunctionalParent(nn.Module):
+    """A parent no kind names that uses its Linear only through its weight (BNP reads that from the source)."""
+
+    def __init__(self, proj: nn.Linear) -> None:
+        super().__init__()
+        self.proj = proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.proj.weight, self.proj.bias)
+
+
+def test_a_linear_a_dropped_parent_feeds_in_its_place_is_named_for_the_parents_pattern() -> None:
+    """A Linear that is also an attention's ``out_proj`` (or that a parent uses through ``F.linear``) is fed by
+    the parent's layer; where it is reached first under its own name (``a``), and ``exclude``/``include`` drop
+    the parent's layer, the reason names the pattern, not "reparametrized … in a form BNP does not follow" (as
+    before: issue 27, found with the survivors of ``_reason``)."""
+    lin = nn.Linear(8, 8)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    mha.out_proj = lin  # type: ignore[assignment]
+    model = nn.ModuleDict({"a": lin, "attn": mha, "b": nn.Linear(8, 8)})
+    cases = [
+        ({"exclude": ["attn"]}, "excluded by `exclude` pattern 'attn'"),
+        ({"exclude": ["attn.out_proj"]}, "excluded by `exclude` pattern 'attn.out_proj'"),
+        ({"include": ["b"]}, "not matched by `include` ['b']"),
+        ({"include": ["?"]}, "not matched by `include` ['?']"),  # `a`, `b`: a is selected under attn's names only
+    ]
+    for options, reason in cases:
+        pre = BNPPreconditioner(model, **options)  # type: ignore[arg-type]
+        assert pre.skipped["a.weight"] == reason, options
+        pre.detach()
+    shared = nn.Linear(4, 4)
+    pre = BNPPreconditioner(
+        nn.ModuleDict({"a": shared, "p": FunctionalParent(shared), "b": nn.Linear(4, 4)}), exclude="p"
+    )
+    assert pre.skipped == {"a.weight": "excluded by `exclude` pattern 'p'"}
+    pre.detach()

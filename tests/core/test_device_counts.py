@@ -11,6 +11,7 @@ order."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from typing import Any
 
@@ -241,3 +242,41 @@ def test_two_row_blocks_of_one_weight_are_one_entry_each_with_its_own_q2() -> No
     finally:
         for kind in kinds:
             unregister_layer_kind(kind.name)
+
+
+def test_a_step_with_counts_on_the_device_makes_them_where_the_statistics_live() -> None:
+    """On the ``meta`` device (a tensor made on the default device would show on a CPU-only machine): the masked
+    Linear's count and the convolution's host counts, its fan-in and the q² built from them all stay on the
+    model's device through a whole step."""
+    meta = torch.device("meta")
+    net = ConvThenTokens().to(meta)
+    pre = BNPPreconditioner(net, rho=0.5)
+    with pre.token_mask(torch.ones(2, 16, dtype=torch.bool, device=meta), layers="lin"):
+        net(torch.empty(2, 3, 6, 6, device=meta)).sum().backward()
+    pre.precondition()
+    for name, layer in pre.layers.items():
+        transform = layer.transform
+        assert transform is not None and isinstance(transform.q2, Tensor) and transform.q2.device == meta, name
+        assert transform.var_t.device == layer.running.mean_acc.device == meta, name
+    assert net.conv.weight.grad is not None and net.conv.weight.grad.device == meta
+
+
+def test_the_overflow_warning_of_a_masked_step_names_the_statistics_dtype() -> None:
+    """With counts on the device the step's host copy holds the peaks and the row counts (float64): the overflow
+    warning still names float32, its √max ≈ 1.8e19 and its ceiling max·2⁻²⁴ ≈ 2.0e31."""
+    net = nn.Linear(8, 4)
+    pre = BNPPreconditioner(net, statistics="batch")
+    g = torch.Generator().manual_seed(1)
+    x, mask = torch.randn(2, 5, 8, generator=g) * 1e20, torch.zeros(2, 5, dtype=torch.bool)
+    mask[0, :3] = mask[1, 1] = True
+    with pre.token_mask(mask):
+        net(x).masked_fill(~mask[..., None], 0.0).sum().backward()
+    pre.step()
+    message = (
+        "BNP layer '' (Linear): the step's input variance σ²_H overflows float32 (finite inputs of magnitude above "
+        "~1.8e+19, whose squares are not representable); it is saturated at 2.0e+31 for that step, so σ² and P of "
+        "this layer are not exact while inputs stay that large. Rescale the layer's input (normalize the data), or "
+        "use float64."
+    )
+    with pytest.warns(BNPWarning, match="^" + re.escape(message) + "$"):
+        pre.flush_warnings()
