@@ -25,13 +25,14 @@ class TwoRanks:
 
     def __init__(self) -> None:
         self.group = object()
+        self.size = 2  # of the group
         self.parts: list[Tensor | None] = [None, None]
         self.barrier = threading.Barrier(2, timeout=30)
         self.local = threading.local()
         self.gathered: list[tuple[int, int]] = []  # (rank, entries sent) per all_gather
 
     def get_world_size(self, group: object = None) -> int:
-        return 2 if group is self.group else 3
+        return self.size if group is self.group else 3
 
     def all_gather(
         self, tensor_list: list[Tensor], tensor: Tensor, group: object = None, async_op: bool = False
@@ -168,3 +169,49 @@ def test_a_layer_that_did_not_run_on_a_rank_sends_an_empty_part_on_the_layers_de
     for pre in pres:
         for layer in pre.layers.values():
             assert layer.running.mean_acc.device.type == layer.running.var_acc.device.type == "meta"
+
+
+def test_pooled_statistics_keep_the_layers_dtype(ranks: TwoRanks) -> None:
+    """Issue 27 (`_pool` survivors): the parts travel as float64 but every rank's pooled μ and σ² come back in the
+    layer's statistics dtype (float32 for a float32 model), so the running statistics stay float32 and equal, up
+    to float32 rounding, those of BNP without ranks on the whole batch."""
+    g = torch.Generator().manual_seed(3)
+    x0, x1 = torch.randn(4, 3, generator=g), 1.0 + 2.0 * torch.randn(6, 3, generator=g)
+    nets = [make_net().float(), make_net().float()]
+    pres = [BNPPreconditioner(net, process_group=ranks.group) for net in nets]
+    backward(nets[0], x0, x0)
+    backward(nets[1], x1, x1)
+    for net in nets:
+        set_gradients(net)
+    ranks.run(pres[0].step, pres[1].step)
+    whole = make_net().float()
+    reference = BNPPreconditioner(whole, sync_statistics=False)
+    x = torch.cat([x0, x1])
+    backward(whole, x, x)
+    set_gradients(whole)
+    reference.step()
+    for name in ("a", "b", "c"):
+        want = reference.layers[name].running
+        for pre in pres:
+            got = pre.layers[name].running
+            assert got.mean_acc.dtype == got.var_acc.dtype == torch.float32, name
+            torch.testing.assert_close(got.mean_acc, want.mean_acc)
+            torch.testing.assert_close(got.var_acc, want.var_acc)
+
+
+def test_a_group_of_one_rank_pools_nothing(ranks: TwoRanks) -> None:
+    """A process group of one rank in a world of three: nothing to pool, so no collective (the world's size is
+    not the group's); the step is BNP's without ranks."""
+    ranks.size = 1
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    net, twin = make_net(), make_net()
+    pre = BNPPreconditioner(net, process_group=ranks.group)
+    reference = BNPPreconditioner(twin, sync_statistics=False)
+    for model, p in ((net, pre), (twin, reference)):
+        backward(model, x, x)
+        set_gradients(model)
+        p.step()
+    assert ranks.gathered == []
+    for name in ("a", "b", "c"):
+        assert torch.equal(pre.layers[name].running.var_acc, reference.layers[name].running.var_acc)
