@@ -215,3 +215,31 @@ def test_a_group_of_one_rank_pools_nothing(ranks: TwoRanks) -> None:
     assert ranks.gathered == []
     for name in ("a", "b", "c"):
         assert torch.equal(pre.layers[name].running.var_acc, reference.layers[name].running.var_acc)
+
+
+def test_a_nan_another_rank_brought_is_named_only_where_the_layer_ran(ranks: TwoRanks) -> None:
+    """Rank 1's batch of the branch ``c`` holds a NaN (it reaches ``a`` and ``c``, not ``b``); rank 0 never ran ``c``.
+    Pooled, both ranks' ``a`` and ``c`` statistics are NaN. Rank 1 names both; rank 0 names ``a`` and not ``c``,
+    which its step already named as never run there."""
+    g = torch.Generator().manual_seed(5)
+    x0, x1 = torch.randn(3, 3, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    x_c = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    x_c[1, 0] = float("nan")
+    nets = [make_net(), make_net()]
+    pres = [BNPPreconditioner(net, process_group=ranks.group) for net in nets]
+    backward(nets[0], x0, None)
+    backward(nets[1], x1, x_c)
+    for net in nets:
+        set_gradients(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BNPWarning)
+        ranks.run(pres[0].step, pres[1].step)
+    named = []
+    for pre in pres:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pre.flush_warnings()
+        messages = [str(w.message) for w in caught if issubclass(w.category, BNPWarning)]
+        assert all("(a NaN or Inf in the batch)" in m for m in messages), messages
+        named.append(sorted(m.split("'")[1] for m in messages))
+    assert named == [["a"], ["a", "c"]]
