@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -375,3 +376,29 @@ def test_a_parent_that_calls_its_linear_keeps_the_plain_linear_kind() -> None:
 
     pre = BNPPreconditioner(Penalized())
     assert [(name, layer.kind.name) for name, layer in pre.layers.items()] == [("fc", "Linear")]
+
+
+def test_the_inferred_kinds_name_the_parent_class_and_its_source_is_read_once_per_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kinds inferred for a parent's ``F.linear`` children are named ``<parent class>.<child>`` and apply to
+    that class; its ``forward`` source is read once per class, not for every model or preconditioner."""
+    import inspect
+
+    from lightning_bnp.core.attention import inferred_functional_linears
+
+    class Parent(UnknownFunctionalParent):  # a fresh class: nothing read for it yet
+        pass
+
+    reads: list[object] = []
+    getsource = inspect.getsource
+
+    def spy(obj: Any) -> str:
+        reads.append(obj)
+        return getsource(obj)
+
+    monkeypatch.setattr(inspect, "getsource", spy)
+    for _ in range(3):
+        kinds = inferred_functional_linears(Parent())
+        assert [(k.name, k.module_types()) for k in kinds] == [("Parent.proj", (Parent,)), ("Parent.qkv", (Parent,))]
+    assert reads == [Parent.forward]

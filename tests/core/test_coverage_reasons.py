@@ -177,3 +177,30 @@ def test_a_linear_a_dropped_parent_feeds_in_its_place_is_named_for_the_parents_p
     )
     assert pre.skipped == {"a.weight": "excluded by `exclude` pattern 'p'"}
     pre.detach()
+
+
+def test_frozen_weights_left_alone_are_named_frozen_after_the_trainable_ones_and_not_counted() -> None:
+    """A packed weight with a dropped row block and an excluded Linear, each trainable and frozen: the frozen
+    ones' reasons start with "frozen; ", they come after the trainable ones and are not counted among the
+    trainable matrices (2 transformed out_proj + the trainable in_proj_weight and head = 4); the weights after a
+    packed one are still sorted (its out_proj is transformed)."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.still = nn.MultiheadAttention(4, 2), nn.MultiheadAttention(4, 2)
+            self.head, self.fixed = nn.Linear(4, 3), nn.Linear(3, 3)
+
+    model = Model()
+    model.still.in_proj_weight.requires_grad_(False)
+    model.fixed.requires_grad_(False)
+    pre = BNPPreconditioner(model, exclude=["attn.k", "still.v", "fixed", "head"])
+    dropped = "of it dropped by `include`/`exclude`; the others are transformed"
+    assert pre.coverage.transformed == ("attn.out_proj.weight", "still.out_proj.weight")
+    assert list(pre.coverage.skipped.items()) == [
+        ("attn.in_proj_weight", f"row blocks ['attn.k'] {dropped}"),
+        ("head.weight", "excluded by `exclude` pattern 'head'"),
+        ("still.in_proj_weight", f"frozen; row blocks ['still.v'] {dropped}"),
+        ("fixed.weight", "frozen; excluded by `exclude` pattern 'fixed'"),
+    ]
+    assert pre.coverage.trainable == 4

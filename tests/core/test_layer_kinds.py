@@ -493,3 +493,33 @@ def test_register_layer_kind_errors_name_the_type_and_the_way_out() -> None:
         r"replace=True to replace it$",
     ):
         register_layer_kind(type("Again", (LayerKind,), {"name": "Linear", "module_type": nn.Linear})())
+
+
+def test_a_bias_of_another_name_is_that_parameter_or_tensor_attribute_else_none() -> None:
+    """``bias_name`` other than "bias": the registered parameter (``None`` when registered as ``None``), else a
+    tensor the attribute gives (here a property reaching a child's bias); a missing or non-tensor attribute is
+    no bias."""
+
+    class Shifted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(2, 3))
+            self.inner = nn.Linear(3, 2)
+            self.shift = nn.Parameter(torch.randn(2))
+            self.register_parameter("unset", None)
+            self.scale = 2.0
+
+        @property
+        def offset(self) -> Tensor:
+            return self.inner.bias
+
+    def kind(bias_name: str) -> LayerKind:
+        return type("ShiftedKind", (LayerKind,), {"name": "Shifted", "module_type": Shifted, "bias_name": bias_name})()
+
+    module = Shifted()
+    assert kind("shift").bias(module) is module.shift
+    assert kind("unset").bias(module) is None
+    assert kind("offset").bias(module) is module.inner.bias
+    assert kind("scale").bias(module) is None  # a float
+    assert kind("forward").bias(module) is None  # a method
+    assert kind("missing").bias(module) is None
