@@ -8,6 +8,7 @@ happens after setup, at the next step. Nothing stops silently.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 
@@ -264,3 +265,95 @@ def test_the_setup_warning_for_a_layer_left_alone_names_the_callers_line() -> No
     with pytest.warns(BNPWarning, match="left alone") as record:
         BNPPreconditioner(model)
     assert [w.filename for w in record if issubclass(w.category, BNPWarning)] == [__file__]
+
+
+class ComputedWeight(nn.Linear):
+    """A Linear whose ``weight`` is a plain tensor set on the module (not a Parameter), beside a ``weight_orig``
+    Parameter of its own (no pruning hook) or a parametrized extra tensor ``scale``: BNP cannot know which
+    trainable tensor its weight comes from."""
+
+    def __init__(self, extra: str) -> None:
+        super().__init__(5, 4)
+        weight = self.weight.detach().clone()
+        del self.weight
+        self.weight = weight  # a tensor attribute, not a parameter
+        if extra == "weight_orig":
+            self.weight_orig = nn.Parameter(weight.clone())
+        else:
+            self.scale = nn.Parameter(torch.ones(4))
+            parametrize.register_parametrization(self, "scale", nn.Tanh())
+
+
+@pytest.mark.parametrize(
+    ("extra", "class_name"),  # torch.nn.utils.parametrize gives the module a class of its own
+    [("weight_orig", "ComputedWeight"), ("parametrized scale", "ParametrizedComputedWeight")],
+)
+def test_a_weight_that_is_not_a_parameter_is_left_alone_naming_the_layer_and_the_reason(
+    extra: str, class_name: str
+) -> None:
+    """Neither a ``weight_orig`` Parameter without a pruning hook (not pruned) nor a parametrization of another
+    tensor (not the weight's) makes such a weight one BNP follows: the layer is left alone with the whole message."""
+    torch.manual_seed(0)
+    net = nn.Sequential(ComputedWeight(extra), nn.ReLU(), nn.Linear(4, 2))
+    message = (
+        f"BNP layer '0' ({class_name}) is left alone: its weight is not a parameter of the module (a tensor set or "
+        "computed outside it), so its gradient is not the one an optimizer uses. Exclude it with `exclude` to "
+        "silence this warning (README 'Reparametrized layers')."
+    )
+    with pytest.warns(BNPWarning, match=f"^{re.escape(message)}$"):
+        pre = BNPPreconditioner(net)
+    assert list(pre.layers) == ["2"]
+
+
+class Scale(nn.Module):
+    """A parametrization with a trainable parameter of its own (``parametrizations.weight.0.gain``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(()))
+
+    def forward(self, t: Tensor) -> Tensor:
+        return self.gain * t
+
+
+def test_a_chain_of_parametrizations_is_named_in_order_with_the_chains_own_originals() -> None:
+    """The message lists every parametrization of the chain, in order, and the chain's own tensors only
+    (``original``; not the parameters inside the parametrizations)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2))
+    parametrize.register_parametrization(net[0], "weight", Scale())
+    parametrize.register_parametrization(net[0], "weight", nn.Tanh())
+    message = (
+        "BNP layer '0' (ParametrizedLinear) is left alone: its weight is computed by torch.nn.utils.parametrize "
+        "(Scale, Tanh) "
+        "from parametrizations.weight.original; the optimizer updates those tensors, whose gradient is "
+        "Jᵀ·∂L/∂weight, for which BNP's transform (eq. 15) has no exact form. Exclude it with `exclude` to "
+        "silence this warning (README 'Reparametrized layers')."
+    )
+    with pytest.warns(BNPWarning, match=f"^{re.escape(message)}$"):
+        BNPPreconditioner(net)
+
+
+def test_manageable_keeps_the_modules_it_can_precondition_and_names_the_others() -> None:
+    """``manageable`` returns the very modules it keeps, warns with the category it is given, and refuses a set
+    where none is left (the whole message, naming every selected layer) or a lazy one (the whole message)."""
+    from lightning_bnp.core.reparametrization import manageable
+
+    plain, orthogonal = nn.Linear(3, 3), parametrizations.orthogonal(nn.Linear(3, 3))
+    with pytest.warns(UserWarning, match=r"^BNP layer 'b' \(ParametrizedLinear\) is left alone: its weight"):
+        kept = manageable({"a": plain, "b": orthogonal}, UserWarning)
+    assert list(kept) == ["a"] and kept["a"] is plain
+    none_left = (
+        "no layer is left for BNP: every selected layer (['b', 'c']) is reparametrized in a way BNP cannot "
+        "precondition (the warnings name the reason for each)"
+    )
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=f"^{re.escape(none_left)}$"):
+        manageable({"c": torch.nn.utils.parametrizations.spectral_norm(nn.Linear(3, 3)), "b": orthogonal}, UserWarning)
+    lazy = (
+        "layers ['0'] are uninitialised lazy modules (e.g. nn.LazyLinear): BNP sizes its statistics from the "
+        "weight's shape, which is known only after a first forward pass. Run one forward first "
+        "(`model(example_input)`; the Lightning callback does it with `example_input_array`), or exclude them "
+        "with `exclude`, e.g. exclude=['0']."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(lazy)}$"):
+        BNPPreconditioner(nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2)))
