@@ -906,7 +906,14 @@ class BNPPreconditioner(ArgumentsRepr):
         ranks stay eager. Returns ``self``."""
         # a copy of the function with its own code object: Dynamo keeps its compiled graphs (and counts
         # recompilations) per code object, so every preconditioner gets its own
-        own = types.FunctionType(_step_math.__code__.replace(), _step_math.__globals__, "_step_math")
+        # (defaults and closure too: the same function when `_step_math` is wrapped, e.g. by mutmut's trampoline)
+        own = types.FunctionType(
+            _step_math.__code__.replace(),
+            _step_math.__globals__,
+            "_step_math",
+            _step_math.__defaults__,
+            _step_math.__closure__,
+        )
         self._compiled = torch.compile(own, fullgraph=True, **options)
         self._compile_options = dict(options)
         return self
