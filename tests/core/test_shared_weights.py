@@ -39,6 +39,7 @@ def test_a_weight_tied_without_its_bias_is_refused_with_the_reason_and_the_way_o
     )
 
 
+@pytest.mark.stack  # pins the line a warning names: outside `make mutate` (its trampolines are frames)
 def test_the_warning_for_a_weight_shared_with_an_unmanaged_module_points_at_the_callers_line() -> None:
     with pytest.warns(BNPWarning, match=r"'enc' shares its weight with 'dec' \(Linear\)") as caught:
         BNPPreconditioner(TiedAutoencoder(), exclude="dec").detach()
