@@ -24,8 +24,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_bnp.core import metrics as M
+from lightning_bnp.core.layers import ManagedLayer
 from lightning_bnp.core.layers import weight_leaf as trainable_weight
-from lightning_bnp.core.preconditioner import BNPPreconditioner, _Layer
+from lightning_bnp.core.preconditioner import BNPPreconditioner
 from lightning_bnp.core.transform import var_tilde
 
 __all__ = [
@@ -168,7 +169,7 @@ def learning_rates(trainer: pl.Trainer, *, sgd_only: bool = False) -> dict[int, 
     }
 
 
-def statistics(pre: BNPPreconditioner, layer: _Layer) -> tuple[Tensor, Tensor]:
+def statistics(pre: BNPPreconditioner, layer: ManagedLayer) -> tuple[Tensor, Tensor]:
     """(μ, σ̃²) of BNP's latest step for this layer; from the running statistics if it has not stepped."""
     if layer.transform is not None:
         mu = layer.transform.mu if layer.transform.mu is not None else layer.running.mu
@@ -176,7 +177,7 @@ def statistics(pre: BNPPreconditioner, layer: _Layer) -> tuple[Tensor, Tensor]:
     return layer.running.mu, var_tilde(layer.running.var, pre.eps1, pre.eps2)
 
 
-def raw_statistics(pre: BNPPreconditioner, layer: _Layer) -> tuple[Tensor, Tensor | None, float | None]:
+def raw_statistics(pre: BNPPreconditioner, layer: ManagedLayer) -> tuple[Tensor, Tensor | None, float | None]:
     """(σ², μ, rtol) of ``layer``'s input as BNP's latest step saw it, *before* the ε floors (for the
     paper's κ(D)); μ is ``None`` without a centring block. Call only when ``layer.transform`` is set.
 
@@ -200,7 +201,7 @@ def raw_statistics(pre: BNPPreconditioner, layer: _Layer) -> tuple[Tensor, Tenso
     return var, transform.mu, rtol
 
 
-def neuron_p(pre: BNPPreconditioner, layer: _Layer, index: int, *, centred: bool) -> Tensor:
+def neuron_p(pre: BNPPreconditioner, layer: ManagedLayer, index: int, *, centred: bool) -> Tensor:
     """BNP's P for output neuron ``index`` of ``layer`` (float64).
 
     A grouped convolution's neuron sees only its group's c_in/groups input channels, each repeated

@@ -299,7 +299,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         batch_size, sampler = getattr(batch_sampler, "batch_size", None), getattr(batch_sampler, "sampler", None)
         if not isinstance(batch_size, int) or getattr(batch_sampler, "drop_last", True) or sampler is None:
             return
-        if self.preconditioner._distributed() or not any(
+        if self.preconditioner.pools_over_ranks or not any(
             layer.kind.dense for layer in self.preconditioner.layers.values()
         ):
             return  # pooled over ranks, or conv layers only (rows = batch × positions)
@@ -364,7 +364,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         assert self.preconditioner is not None
-        if self.compile_step and self.preconditioner._compiled is None:
+        if self.compile_step and not self.preconditioner.step_compiled:
             self.preconditioner.compile_step()
         if self.regularizer is not None:
             self.regularizer.before_precondition(optimizer)

@@ -268,7 +268,7 @@ class TimingMonitor(ArgumentsRepr, Callback):
             self._hook_tokens[id(module)] = self._clock.start()
 
     def _collecting(self) -> bool:
-        return self._pre is None or self._pre._collecting
+        return self._pre is None or self._pre.collecting
 
     def _hook_stop(self, module: nn.Module, args: Any, output: Any) -> None:
         token = self._hook_tokens.pop(id(module), None)

@@ -26,7 +26,7 @@ from lightning_bnp.core.kinds import LINEAR_FAMILY, LayerKind, kinds_for, kinds_
 from lightning_bnp.core.reparametrization import unsupported
 
 if TYPE_CHECKING:
-    from lightning_bnp.core.layers import _Layer
+    from lightning_bnp.core.layers import ManagedLayer
 
 __all__ = ["Coverage", "coverage"]
 
@@ -58,7 +58,7 @@ class Coverage:
 
 def coverage(
     model: nn.Module,
-    layers: Sequence[_Layer],
+    layers: Sequence[ManagedLayer],
     layer_types: Sequence[str],
     include: Sequence[str] | None,
     exclude: Sequence[str] | None,
@@ -172,7 +172,9 @@ def _weight_of(kind: LayerKind, module: nn.Module) -> object:
         return None
 
 
-def _missing_blocks(p: object, layer: _Layer, layers: Sequence[_Layer], known: list[LayerKind]) -> list[str]:
+def _missing_blocks(
+    p: object, layer: ManagedLayer, layers: Sequence[ManagedLayer], known: list[LayerKind]
+) -> list[str]:
     """Names of the layers that would feed other row blocks of ``p`` (several kinds on one module) and are not
     managed."""
     if not layer.kind.suffix:

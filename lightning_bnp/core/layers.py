@@ -25,7 +25,7 @@ from lightning_bnp.core.transform import precondition_
 if TYPE_CHECKING:
     from lightning_bnp.core.kinds import LayerKind
 
-__all__ = ["NO_LEAF", "BNPWarning", "StepTransform", "make_layers", "weight_leaf"]
+__all__ = ["NO_LEAF", "BNPWarning", "ManagedLayer", "StepTransform", "make_layers", "weight_leaf"]
 
 
 class BNPWarning(UserWarning):
@@ -69,7 +69,7 @@ class StepTransform:
 
 
 @dataclass
-class _Layer:
+class ManagedLayer:
     name: str
     module: nn.Module
     has_bias: bool  # P has the centring block; statistics are centred
@@ -124,8 +124,8 @@ def make_layers(
     bias_correction: bool,
     conv_statistics: str = "channel",
     decay_offset: float = 0.0,
-) -> dict[str, _Layer]:
-    """One :class:`_Layer` per distinct (weight, kind) of the ``selected`` modules: modules sharing a weight are
+) -> dict[str, ManagedLayer]:
+    """One :class:`ManagedLayer` per distinct (weight, kind) of the ``selected`` modules: modules sharing a weight are
     one layer (pooled like one module called twice). ``conv_statistics="column"``: convolutions keep one
     statistic per im2col column (input channel, kernel offset) instead of one per input channel.
 
@@ -134,7 +134,7 @@ def make_layers(
             modules of different kinds share a weight (its gradient would be transformed twice, e.g. a tied
             embedding and output layer), or a kind refuses a module's form (:meth:`LayerKind.refuse`).
     """
-    layers: dict[tuple[int, str], _Layer] = {}
+    layers: dict[tuple[int, str], ManagedLayer] = {}
     for name, (module, kind) in selected.items():
         kind = kind.configure(conv_statistics=conv_statistics)
         refused = kind.refuse(module)
@@ -152,7 +152,7 @@ def make_layers(
                 f"Exclude one of them with `exclude`, e.g. exclude=[{name!r}]."
             )
         layer.tied[name] = module
-    fed: dict[int, _Layer] = {}
+    fed: dict[int, ManagedLayer] = {}
     for layer in layers.values():  # one weight fed by several kinds: only as row blocks of one module (q, k, v)
         other = fed.setdefault(id(layer.weight), layer)
         if other.module is not layer.module:
@@ -185,7 +185,7 @@ def make_layers(
 
 def _make_layer(
     name: str, module: nn.Module, kind: LayerKind, rho: float, bias_correction: bool, decay_offset: float
-) -> _Layer:
+) -> ManagedLayer:
     weight = kind.weight(module)  # shape and dtype only
     features = kind.features(module)
     dtype = statistics_dtype(weight.dtype)
@@ -193,4 +193,4 @@ def _make_layer(
         features, rho=rho, bias_correction=bias_correction, device=weight.device, dtype=dtype, decay_offset=decay_offset
     )
     has_bias = kind.bias(module) is not None
-    return _Layer(name, module, has_bias, kind.groups(module), kind.fan_in(module), features, running, kind)
+    return ManagedLayer(name, module, has_bias, kind.groups(module), kind.fan_in(module), features, running, kind)

@@ -68,7 +68,7 @@ from lightning_bnp.core.attention import capturing, stop_capturing
 from lightning_bnp.core.copies import register_forward_hook, register_forward_pre_hook
 from lightning_bnp.core.coverage import Coverage, coverage
 from lightning_bnp.core.kinds import EMBEDDING, layer_kinds, select_layer_kinds
-from lightning_bnp.core.layers import NO_LEAF, BNPWarning, StepTransform, _Layer, make_layers
+from lightning_bnp.core.layers import NO_LEAF, BNPWarning, ManagedLayer, StepTransform, make_layers
 from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.reparametrization import manageable, unsupported
 from lightning_bnp.core.selection import validate_layer_types
@@ -81,6 +81,7 @@ __all__ = [
     "DEFAULT_LAYER_TYPES",
     "BNPPreconditioner",
     "BNPWarning",
+    "ManagedLayer",
     "PendingUpdate",
     "StepTransform",
     "validate_bnp_arguments",
@@ -315,12 +316,12 @@ def _step_math(
     return mu, var_t, after, steps, peak, q2_out
 
 
-def _whole_bias_grad(layer: _Layer) -> Tensor | None:
+def _whole_bias_grad(layer: ManagedLayer) -> Tensor | None:
     bias = layer.kind.bias(layer.module) if layer.has_bias else None
     return None if bias is None else bias.grad
 
 
-def _row_block_runs(layers: list[_Layer]) -> tuple[tuple[int, int], ...]:
+def _row_block_runs(layers: list[ManagedLayer]) -> tuple[tuple[int, int], ...]:
     """Runs (first layer, n) of ``layers`` that are the n row blocks of one weight in order
     (:meth:`LayerKind.row_block`, the q, k, v of a MultiheadAttention): fixed for a set of layers."""
     runs, i = [], 0
@@ -343,7 +344,7 @@ def _row_block_runs(layers: list[_Layer]) -> tuple[tuple[int, int], ...]:
 
 def _row_block_spans(
     runs: tuple[tuple[int, int], ...],
-    ready: list[tuple[_Layer, Moments, Tensor]],
+    ready: list[tuple[ManagedLayer, Moments, Tensor]],
     grads_b: list[Tensor | None],
     q2s: list[float] | None,
 ) -> tuple[tuple[int, int], ...]:
@@ -368,7 +369,7 @@ def _row_block_spans(
 
 
 def _row_blocks_fit(
-    run: list[tuple[_Layer, Moments, Tensor]], grads_b: list[Tensor | None], q2s: list[float] | None
+    run: list[tuple[ManagedLayer, Moments, Tensor]], grads_b: list[Tensor | None], q2s: list[float] | None
 ) -> bool:
     first, _, grad = run[0]
     if type(grad) is not Tensor or grad.dim() != 2 or any(g is not grad for _, _, g in run):
@@ -397,14 +398,14 @@ def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, 
     return part
 
 
-def _names_of(layer: _Layer) -> tuple[str, ...]:
+def _names_of(layer: ManagedLayer) -> tuple[str, ...]:
     """A layer's name, its module's (``attn`` for ``attn.q``) and those of modules tied to it."""
     suffix = layer.kind.suffix
     module = layer.name[: -len(suffix)] if suffix and layer.name.endswith(suffix) else layer.name
     return (layer.name, module, *layer.tied)
 
 
-def _jagged_rows(layer: _Layer, module: nn.Module, h: Tensor) -> Tensor:
+def _jagged_rows(layer: ManagedLayer, module: nn.Module, h: Tensor) -> Tensor:
     """The real rows of a nested input: a jagged nested tensor's ``values()`` (Σ lengths, …, F), every row a
     token, no padding.
 
@@ -421,7 +422,7 @@ def _jagged_rows(layer: _Layer, module: nn.Module, h: Tensor) -> Tensor:
     return h.values()
 
 
-def _local_rows(layer: _Layer, grad: Tensor) -> Tensor:
+def _local_rows(layer: ManagedLayer, grad: Tensor) -> Tensor:
     """The rows of a gradient this rank holds: ``grad`` itself, or for a ``DTensor`` (FSDP2's ``fully_shard``) its
     local shard — rows of the weight (``Shard(0)``: BNP's transform is row-local and uses the full-width statistics
     pooled over ranks, README "Large models") or all of it (``Replicate``). In-place updates of the shard update the
@@ -551,7 +552,7 @@ class BNPPreconditioner(ArgumentsRepr):
         selected = {name: chosen[name] for name in kept}
         # the paper's view folds ε2 into the running ρ^t: decay = ρ^t + ε2/(1 + ε1) (_step_math's σ̃² floor)
         self._decay_offset = 0.0 if bias_correction else eps2 / (1.0 + eps1)
-        self.layers: dict[str, _Layer] = make_layers(
+        self.layers: dict[str, ManagedLayer] = make_layers(
             model,
             selected,
             rho=rho,
@@ -569,7 +570,7 @@ class BNPPreconditioner(ArgumentsRepr):
         self._commit_hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._layouts: dict[tuple[Any, ...], FeatureLayout] = {}
         # per step: the layers and a host copy of their per-layer max σ²_H, read by a later step (_report)
-        self._unreported: list[tuple[list[_Layer | None], tuple[Tensor, torch.cuda.Event | None]]] = []
+        self._unreported: list[tuple[list[ManagedLayer | None], tuple[Tensor, torch.cuda.Event | None]]] = []
         self._not_run_here: set[str] = set()  # this step's layers whose forward did not run on this rank
         self._compiled: Any = None  # _step_math compiled (compile_step), or None: eager
         self._compile_options: dict[str, Any] | None = None  # compile_step's options (a copy compiles its own)
@@ -674,7 +675,24 @@ class BNPPreconditioner(ArgumentsRepr):
 
     @property
     def attached(self) -> bool:
+        """Whether the forward hooks are registered (between :meth:`attach` and :meth:`detach`)."""
         return bool(self._handles)
+
+    @property
+    def collecting(self) -> bool:
+        """Whether training forward passes count for the next step now (false inside :meth:`paused`)."""
+        return self._collecting
+
+    @property
+    def pools_over_ranks(self) -> bool:
+        """Whether a step pools its statistics over ranks: ``sync_statistics`` under an initialised
+        ``torch.distributed`` whose group (``process_group``, default the world) has more than one rank."""
+        return self._distributed()
+
+    @property
+    def step_compiled(self) -> bool:
+        """Whether :meth:`compile_step` has been called: the step's tensor work runs compiled."""
+        return self._compiled is not None
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -764,7 +782,13 @@ class BNPPreconditioner(ArgumentsRepr):
         return frozenset(chosen)
 
     def _moments_of(
-        self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], h: Tensor, output: Any
+        self,
+        layer: ManagedLayer,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        h: Tensor,
+        output: Any,
     ) -> Moments | None:
         """The moments of one call under a token mask or of a nested input; ``None`` for the usual case (no mask
         applies, a dense input): the caller reduces it as always."""
@@ -790,7 +814,7 @@ class BNPPreconditioner(ArgumentsRepr):
             return layer.kind.moments(module, _jagged_rows(layer, module, h), output)
         return None
 
-    def _make_hook(self, layer: _Layer) -> Any:
+    def _make_hook(self, layer: ManagedLayer) -> Any:
         kind = layer.kind
         moments, layer_input, default_input, input_name = kind.moments, kind.input, kind.default_input, kind.input_name
 
@@ -820,7 +844,7 @@ class BNPPreconditioner(ArgumentsRepr):
         return hook
 
     def _register_calls_hooks(
-        self, layer: _Layer, module: nn.Module, shared: list[Any]
+        self, layer: ManagedLayer, module: nn.Module, shared: list[Any]
     ) -> list[torch.utils.hooks.RemovableHandle]:
         """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
         input is captured from an ``F.linear`` call made during the forward (:attr:`LayerKind.captures`)."""
@@ -867,7 +891,7 @@ class BNPPreconditioner(ArgumentsRepr):
         handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
         return handles
 
-    def _count_when_reached(self, layer: _Layer, part: Moments) -> Any:
+    def _count_when_reached(self, layer: ManagedLayer, part: Moments) -> Any:
         """A pre-hook for the output's autograd node: the forward's statistics join the step when the
         backward pass reaches the output (once, however often the graph is back-propagated)."""
         generation, counted = self._generation, False
@@ -961,7 +985,7 @@ class BNPPreconditioner(ArgumentsRepr):
                 ready.append((layer, m, grad))
             if not ran:
                 self._warn(layer, "never ran", _NEVER_RAN)
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[_Layer, Moments, Tensor]]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[ManagedLayer, Moments, Tensor]]] = {}
         for item in ready:  # one flat layout per device and dtype (usually a single group)
             groups.setdefault((item[1].mean.device, item[1].mean.dtype), []).append(item)
         for group in groups.values():
@@ -970,14 +994,14 @@ class BNPPreconditioner(ArgumentsRepr):
             pending.commit()
         return pending
 
-    def _left_alone(self, layer: _Layer) -> bool:
+    def _left_alone(self, layer: ManagedLayer) -> bool:
         """False; names (once) a layer reparametrized since setup in a way BNP cannot follow (README
         'Reparametrized layers'): its weight leaf is then ``NO_LEAF`` and it is skipped like a frozen layer."""
         if layer.weight is NO_LEAF:
             self._warn(layer, "reparametrized", f"{_REPARAMETRIZED}: {unsupported(layer.module)}.")
         return False
 
-    def _transformed_already(self, layer: _Layer, grad: Tensor) -> bool:
+    def _transformed_already(self, layer: ManagedLayer, grad: Tensor) -> bool:
         """Whether the weight's gradient is the one the previous step transformed, unchanged since."""
         done = layer.transformed_grad
         if done is None or done[0]() is not grad or grad._version != done[1]:
@@ -985,7 +1009,7 @@ class BNPPreconditioner(ArgumentsRepr):
         self._warn(layer, "twice", _TWICE)
         return True
 
-    def _transform(self, ready: list[tuple[_Layer, Moments, Tensor]], pending: PendingUpdate) -> None:
+    def _transform(self, ready: list[tuple[ManagedLayer, Moments, Tensor]], pending: PendingUpdate) -> None:
         """Steps 2–4 for every layer of the step at once (flat statistics, ``torch._foreach_*`` gradients): the
         bookkeeping here, the tensor work in :func:`_step_math` (compiled whole with ``compile_step``)."""
         layout = self._layout([layer for layer, _, _ in ready], ready[0][1].mean)
@@ -1091,7 +1115,7 @@ class BNPPreconditioner(ArgumentsRepr):
             layer.transform = StepTransform(mu_used, var_t_l, q2, layer.groups, layer.rows, layer.bias_rows)
             layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)
 
-    def _layout(self, layers: list[_Layer], like: Tensor) -> FeatureLayout:
+    def _layout(self, layers: list[ManagedLayer], like: Tensor) -> FeatureLayout:
         """The flat layout of ``layers``' features, built once per set of layers, device and dtype."""
         key = (tuple(layer.name for layer in layers), like.device, like.dtype)
         layout = self._layouts.get(key)
@@ -1157,7 +1181,7 @@ class BNPPreconditioner(ArgumentsRepr):
                 done.synchronize()
         self._report()
 
-    def _pool(self, layers: list[_Layer]) -> list[Moments]:
+    def _pool(self, layers: list[ManagedLayer]) -> list[Moments]:
         """This step's moments per layer, pooled over ranks when syncing (one collective)."""
         local = [
             layer.moments
@@ -1189,14 +1213,14 @@ class BNPPreconditioner(ArgumentsRepr):
             and dist.get_world_size(self.process_group) > 1
         )
 
-    def _warn(self, layer: _Layer, cause: str, message: str) -> None:
+    def _warn(self, layer: ManagedLayer, cause: str, message: str) -> None:
         if (layer.name, cause) in self._warned:
             return
         self._warned.add((layer.name, cause))
         message = f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}"
         warnings.warn(message, BNPWarning, stacklevel=user_stacklevel())
 
-    def step_transforms(self, params: Iterable[Tensor]) -> dict[str, tuple[_Layer, StepTransform]]:
+    def step_transforms(self, params: Iterable[Tensor]) -> dict[str, tuple[ManagedLayer, StepTransform]]:
         """``{layer name: (layer, transform)}`` for the layers among ``params`` that the latest
         :meth:`precondition` transformed; parameters not listed have M = I. Several layers may feed row blocks
         of one weight (``nn.MultiheadAttention``'s q, k, v): each transform maps its own rows
