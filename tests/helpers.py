@@ -124,11 +124,11 @@ def _fit(
 def spy_moments(pre: BNPPreconditioner) -> dict[str, Moments]:
     """The pooled moments each layer brings to the latest step of ``pre`` (filled at every step)."""
     seen: dict[str, Moments] = {}
-    transform = pre._transform
+    transform = pre._step.transform
 
-    def recording(ready: list[Any], pending: Any) -> None:
+    def recording(ready: list[Any], pending: Any, not_run_here: set[str]) -> None:
         seen.update({layer.name: m for layer, m, _ in ready})
-        transform(ready, pending)
+        transform(ready, pending, not_run_here)
 
-    pre._transform = recording  # type: ignore[method-assign]
+    pre._step.transform = recording  # type: ignore[method-assign]
     return seen

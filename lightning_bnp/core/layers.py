@@ -88,6 +88,10 @@ class ManagedLayer:
         # pickle / deepcopy: the weak reference cannot be copied, and a copy's gradients are other tensors
         return {**self.__dict__, "transformed_grad": None}
 
+    def add_moments(self, part: Moments) -> None:
+        """Pool one forward call's moments into the statistics of the next step."""
+        self.moments = part if self.moments is None else self.moments.merge(part)
+
     @property
     def modules(self) -> dict[str, nn.Module]:
         """Every module whose forward feeds this layer's statistics (several when weights are tied)."""

@@ -13,12 +13,17 @@ The index tensors are built once per set of layers stepped together and reused e
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["FeatureLayout"]
+__all__ = ["FeatureLayout", "sigma2_ceiling"]
+
+
+def sigma2_ceiling(dtype: torch.dtype) -> float:
+    """The largest σ²_H a step stores: far enough below the dtype's maximum that σ̃² and q²·σ̃² stay finite
+    (q² up to 2^24); an overflowed σ²_H saturates there (the step's overflow warning says so)."""
+    return torch.finfo(dtype).max * 2.0**-24
 
 
 class FeatureLayout:
@@ -58,12 +63,7 @@ class FeatureLayout:
         self.state_owner = torch.cat([self.owner, self.owner, layers])
         # the batch value of d = ρ^t + κ in the running update: d ← ρ·d + (1 − ρ)·κ
         self.decay_target = torch.full((len(self.sizes),), decay_offset, dtype=dtype, device=device)
-        # the state the previous step left (its flat vectors and the per-layer views it handed out), so that
-        # the next step can start from it without concatenating the layers' tensors again
-        self.last_state: tuple[Tensor, Tensor, list[tuple[Tensor, Tensor, Tensor, Tensor]]] | None = None
-        self.row_runs: tuple[tuple[int, int], ...] | None = None  # row blocks of one weight (preconditioner)
-        self.configs: dict[Any, Any] = {}  # the step's constants, per N = 1 pattern and entries of the transform
-        self.ceiling = torch.finfo(dtype).max * 2.0**-24  # the largest σ²_H a step stores (preconditioner._ceiling)
+        self.ceiling = sigma2_ceiling(dtype)
         self._ones = [1] * len(self.sizes)
 
     def per_layer(self, values: Sequence[float]) -> Tensor:

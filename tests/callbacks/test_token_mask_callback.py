@@ -81,7 +81,7 @@ def test_the_callback_counts_the_real_tokens_of_each_batch(tmp_path: Path, key: 
     _fit(tmp_path, model, items, batch_size=2, callbacks=[callback], max_epochs=1, accumulate_grad_batches=2)  # type: ignore[arg-type]
     ref = reference(twin, items, micro=2, accumulate=2)
     pre = callback.preconditioner
-    assert pre is not None and pre._token_mask is None  # cleared after the last batch
+    assert pre is not None and pre._masks.mask is None  # cleared after the last batch
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     for name, layer in pre.layers.items():

@@ -141,7 +141,7 @@ def test_mha_equals_bnp_on_four_linears(case: str) -> None:
     # and BNP did transform them: plain SGD on the twin ends elsewhere
     assert all(layer.running.steps == 4 for layer in pre.layers.values())
     # the q, k, v blocks of one packed in_proj_weight (bias or not) were one entry of the transform
-    spans = [n for layout in pre._layouts.values() for config in layout.configs.values() for _, n in config.spans]
+    spans = [n for plan in pre._step.plans.values() for config in plan.configs.values() for _, n in config.spans]
     assert spans == ([3, 1] if mha._qkv_same_embed_dim else [1, 1, 1, 1])
 
 
@@ -291,7 +291,7 @@ def test_qkv_blocks_transformed_as_one_keep_each_blocks_own_statistics(case: str
         p.step()
     assert mha.in_proj_weight.grad is not None and mha.in_proj_bias.grad is not None
     # the three blocks were one entry of the transform
-    assert [n for layout in pre._layouts.values() for config in layout.configs.values() for _, n in config.spans] == [
+    assert [n for plan in pre._step.plans.values() for config in plan.configs.values() for _, n in config.spans] == [
         3,
         1,
     ]

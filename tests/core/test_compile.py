@@ -142,7 +142,7 @@ def test_the_compiled_step_is_one_graph_and_trains_like_eager(backend: str, opti
     eager_model, eager = train_with_compiled_step(None, **options)
     compiled_model, compiled = train_with_compiled_step(backend, **options)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
-    assert compiled._compiled is not None
+    assert compiled.step_compiled
     for (name, p), q in zip(eager_model.named_parameters(), compiled_model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
     for name, layer in eager.layers.items():

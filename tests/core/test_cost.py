@@ -221,7 +221,7 @@ def test_at_most_sixteen_layouts_are_kept_the_oldest_dropped_first() -> None:
         model.zero_grad()
         model(x).square().sum().backward()
         pre.precondition([linears[int(name)].weight for name in chosen])
-        built.append(next(layout for key, layout in pre._layouts.items() if list(key[0]) == chosen))
-    assert len(pre._layouts) == 16
-    assert [list(key[0]) for key in pre._layouts] == sets[1:]
-    assert all(kept is made for kept, made in zip(pre._layouts.values(), built[1:], strict=True))
+        built.append(next(layout for key, layout in pre._step.plans.items() if list(key[0]) == chosen))
+    assert len(pre._step.plans) == 16
+    assert [list(key[0]) for key in pre._step.plans] == sets[1:]
+    assert all(kept is made for kept, made in zip(pre._step.plans.values(), built[1:], strict=True))

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
 from lightning_bnp.core.kinds import LINEAR_FAMILY, LayerKind, register_layer_kind, unregister_layer_kind
-from lightning_bnp.core.preconditioner import _row_block_runs
+from lightning_bnp.core.step_plan import row_block_runs as _row_block_runs
 
 
 class ConvThenTokens(nn.Module):
@@ -231,7 +231,7 @@ def test_two_row_blocks_of_one_weight_are_one_entry_each_with_its_own_q2() -> No
             (twin["a"](a).square().sum() + twin["b"](b).square().sum()).backward()
         pre.step()
         ref.step()
-        spans = [n for layout in pre._layouts.values() for config in layout.configs.values() for _, n in config.spans]
+        spans = [n for plan in pre._step.plans.values() for config in plan.configs.values() for _, n in config.spans]
         assert spans == [2]
         assert [float(pre.layers[f"m.{x}"].transform.q2) for x in "ab"] == pytest.approx([8 / 3, 1.0])  # type: ignore[union-attr]
         weight, bias = net["m"].weight.grad, net["m"].bias.grad

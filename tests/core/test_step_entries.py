@@ -142,7 +142,7 @@ def _check(model: Decoder, twin: LinearDecoder, pre: BNPPreconditioner) -> None:
 
 
 def _spans(pre: BNPPreconditioner) -> list[tuple[int, int]]:
-    return [span for layout in pre._layouts.values() for config in layout.configs.values() for span in config.spans]
+    return [span for plan in pre._step.plans.values() for config in plan.configs.values() for span in config.spans]
 
 
 def test_blocks_of_differing_q2_after_a_layer_are_entries_of_their_own_beside_a_grouped_run() -> None:

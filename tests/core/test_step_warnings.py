@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import lightning_bnp.core.preconditioner as preconditioner
+import lightning_bnp.core.step_warnings as step_warnings
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
 
 RUNNING = "its running statistics are not updated in such a step and P uses the ones stored before it"
@@ -96,7 +96,7 @@ def test_a_step_never_waits_for_the_host_copy_of_an_earlier_step(monkeypatch: py
         copies.append(Copy())
         return flat, copies[-1]
 
-    monkeypatch.setattr(preconditioner, "_host_copy", host_copy)
+    monkeypatch.setattr(step_warnings, "_host_copy", host_copy)
     torch.manual_seed(0)
     net = nn.Linear(3, 2)
     pre = BNPPreconditioner(net)

@@ -52,7 +52,7 @@ def test_linear_statistics_are_those_of_the_real_tokens() -> None:
     with pre.token_mask(mask):
         hidden = torch.tanh(net[0](x))
         net[2](hidden).masked_fill(~mask[..., None], 0.0).sum().backward()
-    assert pre._token_mask is None  # restored on exit
+    assert pre._masks.mask is None  # restored on exit
     pre.step()
     check_moments(seen["0"], x[mask])
     check_moments(seen["2"], hidden.detach()[mask])
@@ -68,7 +68,7 @@ def test_an_integer_mask_counts_nonzero_as_real_and_a_nested_context_restores_th
     x, mask = padded()
     with pre.token_mask(mask.long()):  # Hugging Face's attention_mask: 1 = real
         with pre.token_mask(None):
-            assert pre._token_mask is None
+            assert pre._masks.mask is None
         net(x).masked_fill(~mask[..., None], 0.0).sum().backward()
     pre.step()
     check_moments(seen[""], x[mask])
@@ -313,11 +313,11 @@ def test_the_layers_a_mask_applies_to_are_named_by_layer_or_module_patterns() ->
     pre = BNPPreconditioner(block)
     attention = {f"self_attn.{p}" for p in ("q", "k", "v", "out_proj")}
     pre.set_token_mask(torch.ones(2, 3, dtype=torch.bool), layers="self_attn")
-    assert pre._mask_layers == attention
+    assert pre._masks.applies_to == attention
     pre.set_token_mask(torch.ones(2, 3, dtype=torch.bool), layers=["self_attn.q", "cross.k", "head"])
-    assert pre._mask_layers == {"self_attn.q", "cross.k", "head"}
+    assert pre._masks.applies_to == {"self_attn.q", "cross.k", "head"}
     pre.set_token_mask(torch.ones(2, 3, dtype=torch.bool), layers=["cross", "self_attn.out_proj"])
-    assert pre._mask_layers == {"cross.q", "cross.k", "cross.v", "cross.out_proj", "self_attn.out_proj"}
+    assert pre._masks.applies_to == {"cross.q", "cross.k", "cross.v", "cross.out_proj", "self_attn.out_proj"}
     for patterns in ("", ["head", ""]):
         with pytest.raises(ValueError, match=r"^`layers` pattern '' matches no BNP layer; layers are \['self_attn\.q'"):
             pre.set_token_mask(torch.ones(2, 3, dtype=torch.bool), layers=patterns)

@@ -1,0 +1,195 @@
+"""Forward statistics: hooks on the managed modules that reduce each training forward call's input to moments and
+add them to the layer's statistics for the next step once the backward pass reaches the call's output; which
+preconditioner owns a module (one at a time), attaching and detaching the hooks, and pausing the collection.
+
+A forward call's statistics count once the backward pass reaches its output (a pre-hook on the output's autograd
+node): a forward whose output gets no gradient adds nothing, and the forward that non-reentrant activation
+checkpointing recomputes during the backward is not counted twice. Under ``torch.compile`` the hooks are traced
+and count at the forward (README "torch.compile").
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_bnp.core.attention import capturing, stop_capturing
+from lightning_bnp.core.copies import register_forward_hook, register_forward_pre_hook
+from lightning_bnp.core.layers import ManagedLayer
+from lightning_bnp.core.statistics import Moments
+from lightning_bnp.core.token_masks import TokenMasks
+
+__all__ = ["StatisticsCollection"]
+
+# module → the attached collection that manages it (so that a second one is refused)
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[StatisticsCollection]] = weakref.WeakKeyDictionary()
+
+
+def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, out: Tensor) -> Moments:
+    """Moments of ``h``, reduced once for the q, k and v layers of a self-attention (one tensor, one reduction
+    of the same kind class): ``shared[0]`` keeps the latest with a weak reference to its input and version."""
+    last, reduce = shared[0], type(kind).moments
+    if last is not None and last[0]() is h and last[1] == h._version and last[2] is reduce and last[3] is module:
+        return last[4]
+    part = kind.moments(module, h, out)
+    shared[0] = (weakref.ref(h), h._version, reduce, module, part)
+    return part
+
+
+class StatisticsCollection:
+    """The forward hooks of one preconditioner's layers.
+
+    Args:
+        layers: the managed layers (their :attr:`~ManagedLayer.moments` collect the step's statistics).
+        masks: the token masks in force for the forward calls.
+    """
+
+    def __init__(self, layers: list[ManagedLayer], masks: TokenMasks) -> None:
+        self.layers, self.masks = layers, masks
+        self.handles: list[RemovableHandle] = []
+        self.collecting = True  # False inside BNPPreconditioner.paused()
+        self.generation = 0  # bumped by detach(): forwards from before it never count
+
+    def __getstate__(self) -> dict[str, Any]:
+        # hook handles stay behind (a copy of the model carries no BNP hooks: core/copies.py)
+        return {**self.__dict__, "handles": []}
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.handles)
+
+    def attach(self) -> None:
+        """Register the forward hooks (idempotent).
+
+        Raises:
+            RuntimeError: a layer is already managed by another attached preconditioner (the
+                gradient would be transformed twice); ``detach()`` that one first.
+        """
+        if self.handles:
+            return
+        taken = {
+            name: owner
+            for layer in self.layers
+            for name, module in layer.modules.items()
+            if (owner := _OWNERS.get(module)) is not None and owner() is not None and owner() is not self
+        }
+        if taken:
+            raise RuntimeError(
+                f"layers {sorted(taken)} are already managed by another attached BNPPreconditioner (or "
+                "BatchNormPreconditioning callback); two would transform the gradients twice. Call "
+                "`.detach()` on the other one first."
+            )
+        shared: list[Any] = [None]  # attention's q, k, v layers share one reduction of one tensor
+        for layer in self.layers:
+            for module in layer.modules.values():
+                _OWNERS[module] = weakref.ref(self)
+                if layer.kind.captures or not layer.kind.default_calls:  # attention (core/attention.py)
+                    self.handles.extend(self._register_calls_hooks(layer, module, shared))
+                    continue
+                self.handles.append(register_forward_hook(module, self._make_hook(layer), with_kwargs=True))
+
+    def detach(self) -> None:
+        """Remove the hooks; statistics of forwards that ran before this call never count."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.generation += 1
+        for layer in self.layers:
+            layer.moments = None
+            for module in layer.modules.values():
+                owner = _OWNERS.get(module)
+                if owner is not None and owner() is self:
+                    del _OWNERS[module]
+
+    def _make_hook(self, layer: ManagedLayer) -> Any:
+        kind = layer.kind
+        moments, layer_input, default_input, input_name = kind.moments, kind.input, kind.default_input, kind.input_name
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            # statistics only from training forward passes that build a graph for a gradient
+            if not (self.collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad):
+                return
+            if default_input:  # forward(input): inline, as it runs at every forward call
+                h = args[0] if args else kwargs.get(input_name)
+            else:
+                h = layer_input(module, args, kwargs)
+            if not isinstance(h, Tensor) or not isinstance(output, Tensor):
+                return
+            special = None
+            if self.masks.mask is not None or h.is_nested:  # token masks, jagged rows
+                special = self.masks.moments_of(layer, module, args, kwargs, h, output)
+            if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
+                part = moments(module, h, output) if special is None else special
+                layer.add_moments(part)
+                return
+            node = output.grad_fn
+            if node is None:
+                return
+            part = moments(module, h, output) if special is None else special  # on h.detach(): records no graph
+            node.register_prehook(self._count_when_reached(layer, part))
+
+        return hook
+
+    def _register_calls_hooks(self, layer: ManagedLayer, module: nn.Module, shared: list[Any]) -> list[RemovableHandle]:
+        """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
+        input is captured from an ``F.linear`` call made during the forward (:attr:`LayerKind.captures`)."""
+        kind, handles = layer.kind, []
+        started: list[Tensor] = []
+
+        def recording() -> bool:
+            return self.collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad
+
+        if kind.captures:
+
+            def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+                if recording():
+                    weight = kind.watched(module)  # type: ignore[attr-defined]
+                    capturing(weight)
+                    started.append(weight)
+
+            handles.append(register_forward_pre_hook(module, pre_hook))
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if kind.captures:
+                if not started:
+                    return
+                calls = stop_capturing(started.pop())
+                if output is None:  # the forward raised (an always_call hook)
+                    return
+            elif recording():
+                calls = kind.calls(module, args, kwargs, output)
+            else:
+                return
+            for h, out in calls:
+                if not isinstance(h, Tensor) or not isinstance(out, Tensor):
+                    continue
+                special = None
+                if self.masks.mask is not None or h.is_nested:  # token masks, jagged rows
+                    special = self.masks.moments_of(layer, module, args, kwargs, h, out)
+                if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
+                    part = kind.moments(module, h, out) if special is None else special
+                    layer.add_moments(part)
+                elif out.grad_fn is not None:
+                    part = _shared_moments(shared, kind, module, h, out) if special is None else special
+                    out.grad_fn.register_prehook(self._count_when_reached(layer, part))
+
+        handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
+        return handles
+
+    def _count_when_reached(self, layer: ManagedLayer, part: Moments) -> Any:
+        """A pre-hook for the output's autograd node: the forward's statistics join the step when the
+        backward pass reaches the output (once, however often the graph is back-propagated)."""
+        generation, counted = self.generation, False
+
+        def count(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            nonlocal counted
+            if counted or generation != self.generation:
+                return
+            counted = True
+            layer.add_moments(part)
+
+        return count

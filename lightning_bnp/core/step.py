@@ -1,0 +1,233 @@
+"""One BNP step over the managed layers (Alg. 2/3): which layers take part, their gradients and pooled statistics,
+the plan of their set, the tensor work (eager or compiled, chosen once), and what the step leaves behind — each
+layer's :class:`~lightning_bnp.core.layers.StepTransform` and the running-statistics update to store.
+
+Pooled over ranks (:mod:`~lightning_bnp.core.pooling`) or token-masked (:mod:`~lightning_bnp.core.token_masks`),
+a layer's counts are device tensors: the step then builds q² on the device (and a layer no rank ran gets M = I)
+instead of on the host, and runs eager. That is the one branch of a step; the rest is the same for both.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_bnp.core.gradients import bias_grad, weight_grad, whole_bias_grad
+from lightning_bnp.core.layers import NO_LEAF, ManagedLayer, StepTransform
+from lightning_bnp.core.pending import PendingUpdate
+from lightning_bnp.core.pooling import local_moments, pool_over_ranks, pools_over_ranks
+from lightning_bnp.core.reparametrization import unsupported
+from lightning_bnp.core.step_math import step_math
+from lightning_bnp.core.step_plan import Ready, StepPlan, row_block_spans
+from lightning_bnp.core.step_warnings import NEVER_RAN, REPARAMETRIZED, TWICE, StepWarnings
+from lightning_bnp.core.transform import q_squared
+
+__all__ = ["PreconditionerStep"]
+
+_MAX_PLANS = 16  # sets of layers stepped together whose plan is kept (the earliest built is dropped first)
+
+
+class PreconditionerStep:
+    """The step of a preconditioner with the given settings.
+
+    Args:
+        rho, eps1, eps2, statistics, bias_correction: as :class:`~lightning_bnp.core.preconditioner.BNPPreconditioner`.
+        sync_statistics, process_group: pool the statistics over ranks (:mod:`~lightning_bnp.core.pooling`).
+        decay_offset: κ of the running statistics' ``decay`` = ρ^t + κ.
+        warnings: where the step's warnings go.
+    """
+
+    def __init__(
+        self,
+        *,
+        rho: float,
+        eps1: float,
+        eps2: float,
+        statistics: str,
+        bias_correction: bool,
+        sync_statistics: bool,
+        process_group: Any,
+        decay_offset: float,
+        warnings: StepWarnings,
+    ) -> None:
+        self.running = statistics == "running"
+        self.settings = (self.running, bias_correction, rho, eps1, eps2)
+        self.sync_statistics, self.process_group = sync_statistics, process_group
+        self.decay_offset = decay_offset
+        self.warnings = warnings
+        self.plans: dict[tuple[Any, ...], StepPlan] = {}
+        self.math: Callable[..., Any] = step_math  # step_math, or its compiled copy (compile)
+        self.compile_options: dict[str, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a compiled function does not copy (a copy compiles its own step), and plans are rebuilt
+        return {**self.__dict__, "plans": {}, "math": step_math}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.compile_options is not None:
+            self.compile(**self.compile_options)
+
+    @property
+    def pools(self) -> bool:
+        return pools_over_ranks(self.sync_statistics, self.process_group)
+
+    def compile(self, **options: Any) -> None:
+        """Run the tensor work of every later step with host counts as one ``torch.compile(fullgraph=True)`` graph
+        per set of layers (``options`` go to ``torch.compile``)."""
+        # a copy of the function with its own code object: Dynamo keeps its compiled graphs (and counts
+        # recompilations) per code object, so every preconditioner gets its own
+        # (defaults and closure too: the same function when `step_math` is wrapped, e.g. by mutmut's trampoline)
+        own = types.FunctionType(
+            step_math.__code__.replace(),
+            step_math.__globals__,
+            "step_math",
+            step_math.__defaults__,
+            step_math.__closure__,
+        )
+        self.math = torch.compile(own, fullgraph=True, **options)
+        self.compile_options = dict(options)
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile_options is not None
+
+    def precondition(
+        self, layers: list[ManagedLayer], params: Iterable[Tensor] | None, *, commit: bool = True
+    ) -> PendingUpdate:
+        """Transform the current gradients of those ``layers`` whose weight is in ``params`` (all when ``None``)
+        and consume their statistics; the running-statistics update is stored now (``commit``) or returned."""
+        self.warnings.report()
+        if params is not None:
+            ids = {id(p) for p in params}
+            layers = [layer for layer in layers if id(layer.weight) in ids or self._left_alone(layer)]
+        # a layer with no gradient this step did not contribute to it: its statistics are dropped
+        active: list[ManagedLayer] = []
+        grads: list[Tensor] = []
+        for layer in layers:
+            grad = weight_grad(layer)
+            if grad is None:
+                self._left_alone(layer)
+            elif not self._transformed_already(layer, grad):
+                active.append(layer)
+                grads.append(grad)
+        local = local_moments(active)
+        not_run_here = {
+            layer.name for layer, m in zip(active, local) if isinstance(m.rows, int) and m.rows == 0
+        }  # (an int: local)
+        pooled = pool_over_ranks(active, local, self.process_group) if self.pools else local
+        for layer in layers:
+            layer.moments = None
+            layer.transform = None
+        pending = PendingUpdate()
+        groups: dict[tuple[torch.device, torch.dtype], list[Ready]] = {}
+        for layer, m, grad in zip(active, pooled, grads):
+            # pooled over ranks, the count is on the device: a layer no rank ran gets M = I there
+            if isinstance(m.rows, Tensor) or m.rows > 0:  # one flat layout per device and dtype (usually one)
+                groups.setdefault((m.mean.device, m.mean.dtype), []).append((layer, m, grad))
+            if layer.name in not_run_here:
+                self.warnings.warn(layer, "never ran", NEVER_RAN)
+        for group in groups.values():
+            self.transform(group, pending, not_run_here)
+        if commit:
+            pending.commit()
+        return pending
+
+    def _left_alone(self, layer: ManagedLayer) -> bool:
+        """False; names (once) a layer reparametrized since setup in a way BNP cannot follow (README
+        'Reparametrized layers'): its weight leaf is then ``NO_LEAF`` and it is skipped like a frozen layer."""
+        if layer.weight is NO_LEAF:
+            self.warnings.warn(layer, "reparametrized", f"{REPARAMETRIZED}: {unsupported(layer.module)}.")
+        return False
+
+    def _transformed_already(self, layer: ManagedLayer, grad: Tensor) -> bool:
+        """Whether the weight's gradient is the one the previous step transformed, unchanged since."""
+        done = layer.transformed_grad
+        if done is None or done[0]() is not grad or grad._version != done[1]:
+            return False
+        self.warnings.warn(layer, "twice", TWICE)
+        return True
+
+    def plan(self, layers: list[ManagedLayer], like: Tensor) -> StepPlan:
+        """The plan of ``layers`` (statistics on ``like``'s device and dtype), built once."""
+        key = (tuple(layer.name for layer in layers), like.device, like.dtype)
+        plan = self.plans.get(key)
+        if plan is None:
+            if len(self.plans) >= _MAX_PLANS:
+                self.plans.pop(next(iter(self.plans)))
+            plan = self.plans[key] = StepPlan(layers, like.device, like.dtype, self.decay_offset)
+        return plan
+
+    def transform(self, ready: list[Ready], pending: PendingUpdate, not_run_here: set[str]) -> None:
+        """Steps 2–4 for every layer of ``ready`` at once (one device and dtype): the gathering here, the tensor
+        work in :func:`~lightning_bnp.core.step_math.step_math`."""
+        moments = [m for _, m, _ in ready]
+        plan = self.plan([layer for layer, _, _ in ready], moments[0].mean)
+        layout, running = plan.layout, self.running
+        # pooled over ranks or token-masked: the counts are device tensors, and q² is built on the device
+        counts_on_device = any(isinstance(m.rows, Tensor) for m in moments)
+        single = tuple(i for i, m in enumerate(moments) if not isinstance(m.rows, Tensor) and m.rows == 1)
+        if single and not running:
+            raise ValueError(
+                f"statistics='batch' needs more than one row of input per step, but layer "
+                f"{ready[single[0]][0].name!r} saw 1; use statistics='running' for batch size 1"
+            )
+        runnings = [layer.running for layer, _, _ in ready]
+        # N = 1 (σ²_H = (h − μ)² with the running μ before the update): where a count is 1, or may be (on the device)
+        one_row = tuple(
+            i
+            for i, (layer, _, _) in enumerate(ready)
+            if layer.has_bias and running and (i in single or counts_on_device)
+        )
+        before = steps_before = None
+        if running:  # (first: it moves the statistics to the batch's device and dtype when the model moved)
+            before, steps_before = plan.state_before(runnings, moments[0].mean)
+        running_mus = [runnings[i].device_mu() for i in one_row]
+        grads_w = [grad if layer.kind.same_rows else layer.rows(grad) for layer, _, grad in ready]
+        grads_b = [bias_grad(layer) for layer, _, _ in ready]
+        counts = fan_in = q2_flat = None
+        entry_q2s: list[Any] = []
+        math = step_math  # with counts on the device the step runs eager
+        if counts_on_device:
+            spans = row_block_spans(plan.row_runs, ready, grads_b, None)
+            counts, fan_in = plan.device_counts(moments), plan.fan_in
+        else:
+            q2s: list[Any] = [
+                q_squared(layer.fan_in, int(m.samples), int(m.out_positions) / int(m.samples)) for layer, m, _ in ready
+            ]
+            spans = row_block_spans(plan.row_runs, ready, grads_b, None if self.compiled else q2s)
+            q2_flat, math = layout.per_layer_cached(q2s), self.math
+            if self.compiled:  # tensors, so that a new q² is new data, not a recompilation
+                values = layout.per_layer_values(q2s)
+                q2s = list(values.unbind(0))
+                entry_q2s = [q2s[i] if n == 1 else values[i : i + n].view(n, 1) for i, n in spans]
+            else:  # (the blocks of one entry have one q²: row_block_spans)
+                entry_q2s = [q2s[i] for i, _ in spans]
+        config = plan.config(self.settings, one_row, spans, ready)
+        entry_w, entry_b = grads_w, grads_b
+        if len(spans) < len(ready):  # a run of row blocks: its whole gradient and bias gradient
+            entry_w = [grads_w[i] if n == 1 else ready[i][2] for i, n in spans]
+            entry_b = [grads_b[i] if n == 1 else whole_bias_grad(ready[i][0]) for i, n in spans]
+        means, variances = [m.mean for m in moments], [m.var for m in moments]
+        mu, var_t, after, steps, peak, q2_out = math(
+            layout, config, means, variances, running_mus, before, steps_before, counts, fan_in, q2_flat, entry_q2s,
+            entry_w, entry_b,
+        )  # fmt: skip
+        if counts_on_device:
+            q2s = list(q2_out.unbind(0))
+        # (a layer this rank never ran has had its own warning: a NaN there is not reported again; one that saw no
+        # row — every token padding — has a peak of 0: nothing to report)
+        self.warnings.owe([layer if layer.name not in not_run_here else None for layer, _, _ in ready], peak)
+        if running:
+            pending.items.extend(zip(runnings, plan.state_after(after, steps)))
+        for (layer, _, grad_w), mu_l, var_t_l, q2, grad_b in zip(
+            ready, layout.split(mu), layout.split(var_t), q2s, grads_b
+        ):
+            mu_used = mu_l if grad_b is not None else None
+            layer.transform = StepTransform(mu_used, var_t_l, q2, layer.groups, layer.rows, layer.bias_rows)
+            layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)

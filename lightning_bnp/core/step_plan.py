@@ -1,0 +1,165 @@
+"""The plan of a BNP step for one set of layers, built once and reused: their flat layout, the running state the
+previous step left, the row-block entries of the transform, and the step's constants per N = 1 pattern and entries.
+
+A step's layers — the managed layers with a gradient and statistics, on one device in one dtype — are usually the
+same from step to step, so everything that depends on them alone is computed once here (the torch.optim
+``_init_group`` / pure-kernel split): the step itself (:mod:`~lightning_bnp.core.step`) gathers the tensors and
+calls :func:`~lightning_bnp.core.step_math.step_math`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_bnp.core.gradients import whole_bias_grad
+from lightning_bnp.core.layers import ManagedLayer
+from lightning_bnp.core.layout import FeatureLayout
+from lightning_bnp.core.statistics import Moments, RunningStatistics
+from lightning_bnp.core.step_math import StepConfig
+
+__all__ = ["StepPlan", "row_block_runs", "row_block_spans"]
+
+# one layer of a step: the layer, its pooled moments and the gradient of its weight leaf (this rank's rows)
+Ready = tuple[ManagedLayer, Moments, Tensor]
+
+
+class StepPlan:
+    """What a step of ``layers`` needs besides this step's tensors.
+
+    Args:
+        layers: the step's layers, in step order.
+        device: where their statistics live.
+        dtype: the statistics' dtype.
+        decay_offset: κ of the running statistics' ``decay`` = ρ^t + κ.
+    """
+
+    def __init__(self, layers: list[ManagedLayer], device: torch.device, dtype: torch.dtype, decay_offset: float):
+        self.layout = FeatureLayout(
+            [layer.features for layer in layers], [layer.has_bias for layer in layers], device, dtype, decay_offset
+        )
+        # the q, k, v row blocks of one weight: one entry of the transform (LayerKind.row_block)
+        self.row_runs = row_block_runs(layers)
+        self.fan_in = torch.tensor([layer.fan_in for layer in layers], dtype=torch.float64, device=device)
+        self.configs: dict[Any, StepConfig] = {}  # per N = 1 pattern and entries of the transform
+        # the state the previous step left (its flat vectors and the per-layer views it handed out), so that
+        # the next step can start from it without concatenating the layers' tensors again
+        self.last_state: tuple[Tensor, Tensor, list[tuple[Tensor, Tensor, Tensor, Tensor]]] | None = None
+
+    def config(self, settings: tuple[bool, bool, float, float, float], one_row: tuple[int, ...], spans: Any,
+               ready: list[Ready]) -> StepConfig:  # fmt: skip
+        """The step's constants (``settings``: running, bias correction, ρ, ε1, ε2), built once per N = 1 pattern
+        and entries."""
+        config = self.configs.get((one_row, spans))
+        if config is None:
+            sizes = tuple(sum(self.layout.sizes[i : i + n]) for i, n in spans)
+            groups = tuple(ready[i][0].groups if n == 1 else n for i, n in spans)
+            config = self.configs[(one_row, spans)] = StepConfig(*settings, one_row, spans, sizes, groups)
+        return config
+
+    def state_before(self, runnings: list[RunningStatistics], like: Tensor) -> tuple[Tensor, Tensor]:
+        """The committed ``[m ; v ; d]`` of every layer and their step counts, as flat vectors: the previous
+        step's own vectors when every layer still holds the views it handed out (no copy), else gathered."""
+        last = self.last_state
+        if last is not None and all(
+            r.mean_acc is m and r.var_acc is v and r._steps is t and r.decay is d
+            for r, (m, v, t, d) in zip(runnings, last[2])
+        ):
+            return last[0], last[1]
+        for running in runnings:  # the model was moved or cast
+            running.to(like.device, like.dtype)
+        before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings] + [r.decay for r in runnings])
+        steps = torch.cat(
+            [
+                r._steps if isinstance(r._steps, Tensor) else torch.tensor([r._steps], device=like.device)
+                for r in runnings
+            ]
+        )
+        return before, steps
+
+    def state_after(self, after: Tensor, steps: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """Per-layer views ``(m, v, t, d)`` of the state a step computed, kept for the next :meth:`state_before`."""
+        layout, total = self.layout, self.layout.total
+        views = list(
+            zip(
+                layout.split(after[:total]),
+                layout.split(after[total : 2 * total]),
+                layout.split_layers(steps),
+                layout.split_layers(after[2 * total :]),
+            )
+        )
+        self.last_state = (after, steps, views)
+        return views
+
+    def device_counts(self, moments: list[Moments]) -> Tensor:
+        """(rows, samples, out positions) per layer as one float64 tensor on the statistics' device."""
+        device = self.fan_in.device
+        return torch.stack(
+            [
+                torch.stack([torch.as_tensor(c, dtype=torch.float64, device=device) for c in counts])
+                for counts in ((m.rows, m.samples, m.out_positions) for m in moments)
+            ]
+        )
+
+
+def row_block_runs(layers: list[ManagedLayer]) -> tuple[tuple[int, int], ...]:
+    """Runs (first layer, n) of ``layers`` that are the n row blocks of one weight in order
+    (:meth:`LayerKind.row_block`, the q, k, v of a MultiheadAttention): fixed for a set of layers."""
+    runs, i = [], 0
+    while i < len(layers):
+        layer = layers[i]
+        block = None if layer.kind.same_rows else layer.kind.row_block(layer.module)
+        n = block[1] if block is not None and block[0] == 0 else 1
+        run = layers[i : i + n]
+        if n > 1 and len(run) == n:
+            if all(
+                other.module is layer.module and other.kind.row_block(other.module) == (j, n)
+                for j, other in enumerate(run)
+            ):
+                runs.append((i, n))
+                i += n
+                continue
+        i += 1
+    return tuple(runs)
+
+
+def row_block_spans(
+    runs: tuple[tuple[int, int], ...], ready: list[Ready], grads_b: list[Tensor | None], q2s: list[float] | None
+) -> tuple[tuple[int, int], ...]:
+    """The transform's entries as (first layer, layers): one per layer, except a run of n row blocks of one weight
+    (``runs``, :func:`row_block_runs`), which the step transforms as one grouped matrix, each block with its own μ
+    and σ̃² (exact whatever their statistics are). Such a run needs one plain gradient tensor for its blocks, bias
+    gradients for all blocks or none (then one plain tensor of n·out rows), and, where q² is a host float
+    (``q2s``), one q² for the n blocks (the bias update's scalar)."""
+    if not runs:
+        return tuple((i, 1) for i in range(len(ready)))
+    spans: list[tuple[int, int]] = []
+    i = 0
+    for first, n in runs:
+        spans.extend((j, 1) for j in range(i, first))
+        i = first + n
+        if _row_blocks_fit(ready[first:i], grads_b[first:i], None if q2s is None else q2s[first:i]):
+            spans.append((first, n))
+        else:
+            spans.extend((j, 1) for j in range(first, i))
+    spans.extend((j, 1) for j in range(i, len(ready)))
+    return tuple(spans)
+
+
+def _row_blocks_fit(run: list[Ready], grads_b: list[Tensor | None], q2s: list[float] | None) -> bool:
+    first, _, grad = run[0]
+    if type(grad) is not Tensor or grad.dim() != 2 or any(g is not grad for _, _, g in run):
+        return False
+    if q2s is not None and any(q2 != q2s[0] for q2 in q2s):
+        return False
+    if all(grad_b is None for grad_b in grads_b):
+        return True
+    whole = whole_bias_grad(first)
+    return (
+        all(grad_b is not None for grad_b in grads_b)
+        and type(whole) is Tensor
+        and tuple(whole.shape) == (grad.shape[0],)
+        and all(whole_bias_grad(layer) is whole for layer, _, _ in run)
+    )

@@ -1,0 +1,125 @@
+"""The warnings BNP's steps owe: once per layer and cause, those about a step's statistics raised later from a
+host copy that never makes the host wait.
+
+A step finds a layer's input statistics not finite (a NaN or Inf sample) or overflowing (finite inputs whose
+squares the dtype cannot hold) on the device, as its per-layer max σ²_H: the step itself never reads it back.
+:meth:`StepWarnings.owe` keeps a host copy of that vector (non-blocking on CUDA, with an event that says when it
+has arrived), and :meth:`StepWarnings.report` — called by the next step — warns about the copies that have
+arrived; :meth:`StepWarnings.flush` waits for the device and warns about all of them.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_bnp.core.layers import BNPWarning, ManagedLayer
+from lightning_bnp.core.layout import sigma2_ceiling
+from lightning_bnp.core.stack import user_stacklevel
+
+__all__ = ["StepWarnings"]
+
+NEVER_RAN = (
+    "has a gradient but its forward never ran in training mode, or the backward never reached its output, "
+    "since the last step (e.g. its parent uses its weight through F.linear: teach BNP with "
+    "lightning_bnp.core.attention.register_functional_linear; or "
+    "torch.compile reused a graph compiled without BNP's hooks: README 'Cost'); its gradient is left "
+    "untransformed (with statistics pooled over ranks, `sync_statistics`: transformed with the statistics of the "
+    "ranks that ran it, untransformed only if none did). Exclude it with `exclude` to silence this warning."
+)
+TWICE = (
+    "its gradient was already preconditioned by the previous step() and no backward has changed it "
+    "since; it is left as it is (one transform per gradient). Call step() once per backward."
+)
+REPARAMETRIZED = (
+    "was reparametrized after BNP was set up, and BNP leaves it alone from this step on (its gradient is "
+    "not transformed and its statistics are not updated)"
+)
+NON_FINITE = (
+    "a step's input statistics were not finite (a NaN or Inf in the batch); its running statistics "
+    "are not updated in such a step and P uses the ones stored before it."
+)
+NON_FINITE_BATCH = (
+    "a step's input statistics were not finite (a NaN or Inf in the batch); with statistics='batch' that "
+    "step's P, and so the layer's gradient, is not finite."
+)
+OVERFLOW = (
+    "the step's input variance σ²_H overflows {dtype} (finite inputs of magnitude above ~{root:.1e}, whose "
+    "squares are not representable); it is saturated at {ceiling:.1e} for that step, so σ² and P of this layer "
+    "are not exact while inputs stay that large. Rescale the layer's input (normalize the data), or use float64."
+)
+
+
+def _host_copy(flat: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """A host copy of a small device vector that never makes the host wait: on CUDA a non-blocking copy
+    into pinned memory and an event that says when it has arrived; on the CPU the vector itself."""
+    if flat.device.type != "cuda":
+        return flat, None
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+class StepWarnings:
+    """:class:`~lightning_bnp.core.layers.BNPWarning` s of a preconditioner, each once per layer and cause.
+
+    Args:
+        running: the preconditioner's ``statistics == "running"`` (what a non-finite step means for P).
+    """
+
+    def __init__(self, *, running: bool) -> None:
+        self.running = running
+        self.warned: set[tuple[str, str]] = set()
+        # per step: the layers (None: not to be named) and a host copy of their per-layer max σ²_H
+        self.owed: list[tuple[list[ManagedLayer | None], tuple[Tensor, Any]]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        # CUDA events do not copy, and the warnings still owed for past steps are the original's to raise
+        return {**self.__dict__, "owed": []}
+
+    def warn(self, layer: ManagedLayer, cause: str, message: str) -> None:
+        """Warn about ``layer`` unless it was already warned about for ``cause``."""
+        if (layer.name, cause) in self.warned:
+            return
+        self.warned.add((layer.name, cause))
+        message = f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}"
+        warnings.warn(message, BNPWarning, stacklevel=user_stacklevel())
+
+    def owe(self, layers: list[ManagedLayer | None], peak: Tensor) -> None:
+        """Keep a host copy of a step's per-layer max σ²_H (``peak``: NaN where not finite, +Inf where it
+        overflowed, 0 where a layer saw no row); a ``None`` layer is not named."""
+        self.owed.append((layers, _host_copy(peak)))
+
+    def report(self) -> None:
+        """Warn about the layers whose statistics a past step found not finite or out of range — only those whose
+        host copy has arrived (a step never waits)."""
+        while self.owed:
+            layers, (host, done) = self.owed[0]
+            if done is not None and not done.query():
+                return
+            self.owed.pop(0)
+            peaks = host.numpy()
+            if math.isfinite(peaks.sum()):  # the usual case: nothing to report (an inf sum falls through)
+                continue
+            for layer, peak in zip(layers, peaks.tolist()):
+                if layer is None:
+                    continue
+                if math.isnan(peak):
+                    self.warn(layer, "non-finite", NON_FINITE if self.running else NON_FINITE_BATCH)
+                elif math.isinf(peak):
+                    root, name = math.sqrt(torch.finfo(host.dtype).max), str(host.dtype).removeprefix("torch.")
+                    message = OVERFLOW.format(dtype=name, root=root, ceiling=sigma2_ceiling(host.dtype))
+                    self.warn(layer, "overflow", message)
+
+    def flush(self) -> None:
+        """:meth:`report` every copy owed, waiting for the device."""
+        for _, (_, done) in self.owed:
+            if done is not None:
+                done.synchronize()
+        self.report()

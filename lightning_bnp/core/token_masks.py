@@ -1,0 +1,128 @@
+"""Token masks: the forward calls of a step count only the real tokens of their padded (B, T, …) inputs, so that
+μ, σ² and N (so q²) of each managed layer are those of the rows a mask marks, as if the padding were not there;
+a jagged nested tensor's real rows count without a mask."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_bnp.core.layers import ManagedLayer
+from lightning_bnp.core.statistics import Moments
+from lightning_bnp.core.validation import check_patterns
+
+__all__ = ["TokenMasks", "layer_names"]
+
+
+def layer_names(layer: ManagedLayer) -> tuple[str, ...]:
+    """A layer's name, its module's (``attn`` for ``attn.q``) and those of modules tied to it."""
+    suffix = layer.kind.suffix
+    module = layer.name[: -len(suffix)] if suffix and layer.name.endswith(suffix) else layer.name
+    return (layer.name, module, *layer.tied)
+
+
+def _jagged_rows(layer: ManagedLayer, module: nn.Module, h: Tensor) -> Tensor:
+    """The real rows of a nested input: a jagged nested tensor's ``values()`` (Σ lengths, …, F), every row a
+    token, no padding.
+
+    Raises:
+        ValueError: a nested tensor of another layout (torch.strided), or a layer whose rows are not tokens.
+    """
+    if h.layout != torch.jagged or not layer.kind.dense:
+        raise ValueError(
+            f"BNP layer {layer.name!r} ({type(module).__name__}) got a nested tensor of layout {h.layout} "
+            f"({h.size(0)} sequences); BNP reads the real rows of a jagged one (torch.nested.nested_tensor(..., "
+            "layout=torch.jagged)) into a dense layer (Linear and its kinds). Pass a jagged nested tensor, or a "
+            "padded tensor with `token_mask`, or exclude the layer with `exclude`"
+        )
+    return h.values()
+
+
+class TokenMasks:
+    """The token mask in force for a preconditioner's forward calls, and the layers it applies to.
+
+    Args:
+        layers: the preconditioner's managed layers (``layers=`` patterns match their names).
+    """
+
+    def __init__(self, layers: list[ManagedLayer]) -> None:
+        self.layers = layers
+        self.mask: Tensor | None = None  # True = a real token
+        self.applies_to: frozenset[str] | None = None  # the layers it applies to (None: all)
+        self._chosen: dict[tuple[str, ...], frozenset[str]] = {}  # `layers` patterns → layer names
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a mask is the current batch's: a copy starts without one
+        return {**self.__dict__, "mask": None, "applies_to": None}
+
+    def set(self, mask: Tensor | None, *, layers: Sequence[str] | str | None = None) -> None:
+        """Set ``mask`` for the forward calls from now on (arguments, errors: ``BNPPreconditioner.set_token_mask``)."""
+        if mask is not None:
+            if not isinstance(mask, Tensor) or mask.dtype.is_floating_point or mask.dtype.is_complex:
+                described = f"a tensor of dtype {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
+                raise TypeError(
+                    "`mask` must be a bool tensor (True = real token) or an integer one (nonzero = real token), "
+                    f"got {described}"
+                )
+            if mask.dim() == 0:
+                raise ValueError(
+                    f"`mask` needs the leading dimensions of the layers' inputs, got shape {tuple(mask.shape)}"
+                )
+            mask = mask if mask.dtype == torch.bool else mask != 0
+        chosen = None
+        if layers is not None:
+            patterns = check_patterns("layers", layers)
+            assert patterns is not None
+            chosen = self._chosen.get(tuple(patterns))  # the callback sets one per batch
+            if chosen is None:
+                chosen = self._chosen[tuple(patterns)] = self._layers_matching(patterns)
+        self.mask, self.applies_to = mask, chosen
+
+    def _layers_matching(self, patterns: list[str]) -> frozenset[str]:
+        chosen: set[str] = set()
+        for pattern in patterns:
+            matched = {
+                layer.name for layer in self.layers if any(fnmatchcase(name, pattern) for name in layer_names(layer))
+            }
+            if not matched:
+                names = [layer.name for layer in self.layers]
+                raise ValueError(f"`layers` pattern {pattern!r} matches no BNP layer; layers are {names}")
+            chosen |= matched
+        return frozenset(chosen)
+
+    def moments_of(
+        self,
+        layer: ManagedLayer,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        h: Tensor,
+        output: Any,
+    ) -> Moments | None:
+        """The moments of one call under a token mask or of a nested input; ``None`` for the usual case (no mask
+        applies, a dense input): the caller reduces it as always."""
+        mask = self.mask
+        if mask is not None and (self.applies_to is None or layer.name in self.applies_to):
+            if h.is_nested:
+                raise ValueError(
+                    f"BNP layer {layer.name!r} ({type(module).__name__}) got a nested tensor while a token mask of "
+                    f"shape {tuple(mask.shape)} is set: a nested tensor holds no padding (its real rows are used "
+                    "without a mask); leave this layer out of the mask with `layers`"
+                )
+            real = layer.kind.token_rows(module, args, kwargs, h, mask)
+            if real is None:
+                raise ValueError(
+                    f"BNP layer {layer.name!r} ({type(module).__name__}): the token mask of shape "
+                    f"{tuple(mask.shape)} does not fit its input of shape {tuple(h.shape)} (the mask needs the "
+                    "input's leading dimensions; a MultiheadAttention's, those of its query, key or value). Pass "
+                    "the mask in the layout this layer sees, or leave the layer out with "
+                    "`token_mask(mask, layers=...)`"
+                )
+            return layer.kind.masked_moments(module, h, output, real)
+        if h.is_nested:
+            return layer.kind.moments(module, _jagged_rows(layer, module, h), output)
+        return None
