@@ -198,3 +198,6 @@ def _make_layer(
     )
     has_bias = kind.bias(module) is not None
     return ManagedLayer(name, module, has_bias, kind.groups(module), kind.fan_in(module), features, running, kind)
+
+
+_Layer = ManagedLayer  # the name pickles made before it was public refer to

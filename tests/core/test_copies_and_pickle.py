@@ -243,3 +243,29 @@ def test_a_copy_drops_its_stale_forward_hooks_from_every_table() -> None:
     assert not clone._forward_hooks_with_kwargs and not clone._forward_hooks_always_called
     out = clone(torch.randn(4, 3))
     assert len(seen) == 1 and seen[0] is out
+
+
+def test_a_preconditioner_pickled_by_version_0_1_0_loads_and_steps_as_one_built_now() -> None:
+    """A pickle written by the release before the preconditioner was split into parts (``data/``: a 3-4-2 MLP after
+    two steps at ρ = 0.5) loads attached, keeps its running statistics, and its next step equals the step of a
+    preconditioner with the same statistics built now."""
+    import pickle
+    from pathlib import Path
+
+    with open(Path(__file__).parent / "data" / "preconditioner_0.1.0.pkl", "rb") as f:
+        saved = pickle.load(f)
+    model, pre = saved["model"], saved["pre"]
+    assert pre.attached and pre.layers["0"].running.steps == 2
+    torch.testing.assert_close(
+        pre.layers["0"].running.mean_acc, torch.tensor([0.2640, 0.2224, 0.4647]), atol=1e-4, rtol=0
+    )
+    twin = copy.deepcopy(model)
+    ref = BNPPreconditioner(twin, rho=0.5)
+    ref.load_state_dict(pre.state_dict())
+    x = torch.randn(8, 3)
+    for net, p in ((model, pre), (twin, ref)):
+        net(x).sum().backward()
+        p.step()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    torch.testing.assert_close(pre.layers["2"].running.var_acc, ref.layers["2"].running.var_acc, rtol=0, atol=0)
