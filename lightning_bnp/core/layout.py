@@ -97,7 +97,8 @@ class FeatureLayout:
 
     def segment_max(self, flat: Tensor) -> Tensor:
         """max over each layer's entries, one per layer (NaN where a layer has a NaN entry)."""
-        return torch.segment_reduce(flat, "max", lengths=self.lengths)
+        # unsafe: no check of the lengths against the vector (two reads back to the host); they are the layout's
+        return torch.segment_reduce(flat, "max", lengths=self.lengths, unsafe=True)
 
     def split(self, flat: Tensor) -> tuple[Tensor, ...]:
         """Per-layer views of a flat vector (no copy)."""
