@@ -1,6 +1,6 @@
 """Per-step cost of BNP against the same network without it and with BatchNorm, side by side (issue 16).
 
-Rows (the issue's table): the paper's FC 784-100×3 (Table 1) at batch 1, 16, 60, 256, 512; FC 784-1000×3 at
+Rows (the issue's table): a tiny FC 16-16×3 at batch 4 (host work only); the paper's FC 784-100×3 (Table 1) at batch 1, 16, 60, 256, 512; FC 784-1000×3 at
 1024; the 5-layer CNN on 3×32×32 at 2 and 128; the CIFAR ResNet-20 and ResNet-110 at 128 and torchvision's
 ResNet-50 on 3×64×64 at 64, each with GroupNorm (the baseline), BatchNorm, and BNP + GroupNorm; four
 pre-LayerNorm MLP blocks (d = 512, 4d hidden) on (32, 64, 512) tokens; issue 24's two Transformers of
@@ -92,6 +92,8 @@ class Row:
 
 
 ROWS = (
+    # host-bound by construction: width 16, batch 4, kernel time nil, every microsecond is host work
+    Row("tinyfc", "FC 16-16×3 (tiny)", (4,), (16,), lambda n: fc_network(16, hidden=16, norm=n), "none"),
     Row("fc", "FC 784-100×3", (1, 16, 60, 256, 512), (784,), lambda n: fc_network(784, hidden=100, norm=n), "none"),
     Row("fc1000", "FC 784-1000×3", (1024,), (784,), lambda n: fc_network(784, hidden=1000, norm=n), "none"),
     Row("cnn", "CNN 3×32×32", (2, 128), (3, 32, 32), lambda n: cnn5(3, 32, norm=n), "none"),

@@ -347,7 +347,7 @@ def _per_channel_mean_var(x: Tensor) -> tuple[Tensor, Tensor]:
     fuses into the forward's kernels and every device has.
     """
     if x.dim() == 2 or torch.compiler.is_compiling() or x.device.type not in _FUSED_KERNEL_DEVICES:
-        # a (rows, features) input: one Welford reduction (accumulated in double on the CPU), where ATen's 2-D
+        # a (rows, features) input: one Welford reduction (exact to an ULP when |μ| ≫ σ), where ATen's 2-D
         # batch-norm statistics kernel would sum the mean in float32 one row after another (a few ULPs off when
         # |μ| ≫ σ) and a second kernel, ``mean(0)``, would have to mend it
         var, mean = torch.var_mean(x, [0, *range(2, x.dim())], correction=0)
