@@ -11,6 +11,7 @@ and count at the forward (README "torch.compile").
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,28 +118,49 @@ class StatisticsCollection:
                 h = args[0] if args else kwargs.get(input_name)
             else:
                 h = layer_input(module, args, kwargs)
-            if not isinstance(h, Tensor) or not isinstance(output, Tensor):
-                return
-            special = None
-            if self.masks.mask is not None or h.is_nested:  # token masks, jagged rows
-                special = self.masks.moments_of(layer, module, args, kwargs, h, output)
-            if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
-                part = moments(module, h, output) if special is None else special
-                layer.add_moments(part)
-                return
-            node = output.grad_fn
-            if node is None:
-                return
-            part = moments(module, h, output) if special is None else special  # on h.detach(): records no graph
-            node.register_prehook(self._count_when_reached(layer, part))
+            if isinstance(h, Tensor) and isinstance(output, Tensor):
+                self._record(layer, module, args, kwargs, h, output, moments)
 
         return hook
+
+    def _record(
+        self,
+        layer: ManagedLayer,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        h: Tensor,
+        out: Tensor,
+        moments: Callable[[nn.Module, Tensor, Tensor], Moments],
+    ) -> None:
+        """Count the moments of one (input, output) pair of a training forward call: ``moments`` reduces ``h`` (on
+        ``h.detach()``: it records no graph) unless a token mask applies or ``h`` is nested; they join the step once
+        the backward reaches ``out``, or at once in a traced forward (README, "torch.compile")."""
+        special = None
+        if self.masks.mask is not None or h.is_nested:  # token masks, jagged rows
+            special = self.masks.moments_of(layer, module, args, kwargs, h, out)
+        if torch.compiler.is_compiling():
+            layer.add_moments(moments(module, h, out) if special is None else special)
+            return
+        node = out.grad_fn
+        if node is not None:
+            node.register_prehook(
+                self._count_when_reached(layer, moments(module, h, out) if special is None else special)
+            )
 
     def _register_calls_hooks(self, layer: ManagedLayer, module: nn.Module, shared: list[Any]) -> list[RemovableHandle]:
         """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
         input is captured from an ``F.linear`` call made during the forward (:attr:`LayerKind.captures`)."""
         kind, handles = layer.kind, []
         started: list[Tensor] = []
+
+        def reduce(module: nn.Module, h: Tensor, out: Tensor) -> Moments:
+            # eager: the q, k, v layers of a self-attention reduce their one input once (traced: fused anyway)
+            return (
+                kind.moments(module, h, out)
+                if torch.compiler.is_compiling()
+                else _shared_moments(shared, kind, module, h, out)
+            )
 
         def recording() -> bool:
             return self.collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad
@@ -165,17 +187,8 @@ class StatisticsCollection:
             else:
                 return
             for h, out in calls:
-                if not isinstance(h, Tensor) or not isinstance(out, Tensor):
-                    continue
-                special = None
-                if self.masks.mask is not None or h.is_nested:  # token masks, jagged rows
-                    special = self.masks.moments_of(layer, module, args, kwargs, h, out)
-                if torch.compiler.is_compiling():  # traced: counted at the forward (README, "torch.compile")
-                    part = kind.moments(module, h, out) if special is None else special
-                    layer.add_moments(part)
-                elif out.grad_fn is not None:
-                    part = _shared_moments(shared, kind, module, h, out) if special is None else special
-                    out.grad_fn.register_prehook(self._count_when_reached(layer, part))
+                if isinstance(h, Tensor) and isinstance(out, Tensor):
+                    self._record(layer, module, args, kwargs, h, out, reduce)
 
         handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
         return handles

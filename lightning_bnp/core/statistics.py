@@ -346,7 +346,7 @@ def _per_channel_mean_var(x: Tensor) -> tuple[Tensor, Tensor]:
     Under ``torch.compile`` and on devices without the fused kernel: ``torch.var_mean``, which inductor
     fuses into the forward's kernels and every device has.
     """
-    if torch.compiler.is_compiling() or x.device.type not in _FUSED_KERNEL_DEVICES or x.dim() == 2 and x.is_cuda:
+    if torch.compiler.is_compiling() or x.device.type not in _FUSED_KERNEL_DEVICES or (x.dim() == 2 and x.is_cuda):
         # (on CUDA a (rows, features) input takes one Welford launch this way; on the CPU var_mean's Welford
         # kernel is 15–30× slower than the two below for such an input, measured at 60–2048 rows)
         var, mean = torch.var_mean(x, [0, *range(2, x.dim())], correction=0)
