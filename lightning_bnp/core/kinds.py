@@ -34,17 +34,16 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from lightning_bnp.core.layers import weight_leaf
-from lightning_bnp.core.reparametrization import bias_leaf
-from lightning_bnp.core.selection import filter_by_name, validate_layer_types
-from lightning_bnp.core.statistics import (
-    Moments,
+from lightning_bnp.core.moments import (
     column_moments_of_input,
     feature_moments,
     masked_feature_moments,
     moments_of_input,
-    statistics_dtype,
     token_moments,
 )
+from lightning_bnp.core.reparametrization import bias_leaf
+from lightning_bnp.core.selection import filter_by_name, validate_layer_types
+from lightning_bnp.core.statistics import Moments, statistics_dtype
 from lightning_bnp.core.validation import check_patterns
 
 __all__ = [
@@ -200,7 +199,7 @@ class LayerKind:
 
     def moments(self, module: nn.Module, h: Tensor, output: Any) -> Moments:
         """Statistics of one forward call's input ``h``: a linear layer's, per feature (last dimension) over
-        every leading dimension (:func:`~lightning_bnp.core.statistics.feature_moments`)."""
+        every leading dimension (:func:`~lightning_bnp.core.moments.feature_moments`)."""
         return feature_moments(h)
 
     def token_rows(
@@ -214,7 +213,7 @@ class LayerKind:
 
     def masked_moments(self, module: nn.Module, h: Tensor, output: Any, real: Tensor) -> Moments:
         """:meth:`moments` of the rows of ``h`` that ``real`` (from :meth:`token_rows`) marks, their count on
-        the device (:func:`~lightning_bnp.core.statistics.masked_feature_moments`)."""
+        the device (:func:`~lightning_bnp.core.moments.masked_feature_moments`)."""
         return masked_feature_moments(h, real)
 
     def __repr__(self) -> str:
@@ -297,7 +296,7 @@ class EmbeddingKind(LayerKind):
     the columns of ``weight`` (:meth:`rows` is ``weight.t()``), its input features the vocabulary, so Alg. 2
     applies as it does to ``nn.Linear(num_embeddings, embedding_dim, bias=False)`` with weight ``weight.t()``:
     σ² is the uncentred second moment of a one-hot column, the token's frequency, and q² = max(V/N, 1) with
-    N the tokens of the step. The one-hot matrix is never built (:func:`~lightning_bnp.core.statistics.
+    N the tokens of the step. The one-hot matrix is never built (:func:`~lightning_bnp.core.moments.
     token_moments`). Not in the default ``layer_types``: ``BNPPreconditioner(model, embeddings=True)``.
 
     ``padding_idx`` positions are not counted (their row gets no gradient; μ, σ², N are the real tokens');

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from benchmarks.op_count import added_ops, standard_models
 from lightning_bnp.core import BNPPreconditioner
 from lightning_bnp.core.layout import FeatureLayout
-from lightning_bnp.core.statistics import moments_of_input
+from lightning_bnp.core.moments import moments_of_input
 from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
 
 
@@ -199,7 +199,7 @@ def test_var_mean_statistics_equal_the_fused_kernel(
     h = torch.randn(*shape, dtype=torch.float64) * 3 + 2
     out = layer.double()(h)
     fused = moments_of_input(layer, h, out)
-    monkeypatch.setattr("lightning_bnp.core.statistics._FUSED_KERNEL_DEVICES", ())  # the var_mean form
+    monkeypatch.setattr("lightning_bnp.core.moments._FUSED_KERNEL_DEVICES", ())  # the var_mean form
     generic = moments_of_input(layer, h, out)
     assert (fused.rows, fused.samples, fused.out_positions) == (generic.rows, generic.samples, generic.out_positions)
     torch.testing.assert_close(generic.mean, fused.mean, rtol=1e-12, atol=1e-12)
