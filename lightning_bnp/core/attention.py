@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_bnp.core.kinds import LINEAR_FAMILY, LayerKind, register_layer_kind
-from lightning_bnp.core.layers import weight_leaf
+from lightning_bnp.core.reparametrization import weight_leaf
 
 __all__ = [
     "FunctionalLinearKind",

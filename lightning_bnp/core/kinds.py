@@ -33,7 +33,6 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from lightning_bnp.core.layers import weight_leaf
 from lightning_bnp.core.moments import (
     column_moments_of_input,
     feature_moments,
@@ -41,7 +40,7 @@ from lightning_bnp.core.moments import (
     moments_of_input,
     token_moments,
 )
-from lightning_bnp.core.reparametrization import bias_leaf
+from lightning_bnp.core.reparametrization import bias_leaf, tensor_leaf, weight_leaf
 from lightning_bnp.core.selection import filter_by_name, validate_layer_types
 from lightning_bnp.core.statistics import Moments, statistics_dtype
 from lightning_bnp.core.validation import check_patterns
@@ -149,13 +148,9 @@ class LayerKind:
         return None
 
     def weight(self, module: nn.Module) -> Tensor:
-        """The trainable weight leaf (``parametrizations.<name>.original`` under ``torch.nn.utils.parametrize``)."""
-        if self.weight_name == "weight":
-            return weight_leaf(module)
-        parametrizations = module._modules.get("parametrizations")
-        if isinstance(parametrizations, nn.ModuleDict) and self.weight_name in parametrizations:
-            return parametrizations[self.weight_name].original  # type: ignore[return-value]
-        return getattr(module, self.weight_name)
+        """The trainable weight leaf (``parametrizations.<name>.original`` under ``torch.nn.utils.parametrize``:
+        :func:`~lightning_bnp.core.reparametrization.tensor_leaf`)."""
+        return tensor_leaf(module, self.weight_name)
 
     def bias(self, module: nn.Module) -> Tensor | None:
         """The bias the input's rows feed, or ``None``."""

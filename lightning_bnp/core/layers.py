@@ -16,8 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core import reparametrization
-from lightning_bnp.core.reparametrization import NO_LEAF
+from lightning_bnp.core.reparametrization import NO_LEAF, weight_leaf
 from lightning_bnp.core.stack import user_stacklevel
 from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics_dtype
 from lightning_bnp.core.transform import precondition_
@@ -30,18 +29,6 @@ __all__ = ["NO_LEAF", "BNPWarning", "ManagedLayer", "StepTransform", "make_layer
 
 class BNPWarning(UserWarning):
     """Raised (once per layer and cause) for managed layers that BNP cannot precondition in a step."""
-
-
-def weight_leaf(module: nn.Module) -> Tensor:
-    """The trainable weight: ``weight``, or under a reparametrization the leaf that
-    :mod:`~lightning_bnp.core.reparametrization` names (``weight_orig`` when pruned,
-    ``parametrizations.weight.original`` under Weight Conditioning; :data:`NO_LEAF` for a layer BNP leaves alone)."""
-    # the fields nn.Module keeps, read directly: this runs for every layer every step, and
-    # ``module.weight`` goes through nn.Module.__getattr__ (issue 16)
-    weight = module._parameters.get("weight")
-    if weight is not None and "parametrizations" not in module._modules:
-        return weight
-    return reparametrization.weight_leaf(module)
 
 
 def _as_is(tensor: Tensor) -> Tensor:
@@ -95,8 +82,8 @@ class ManagedLayer:
 
     @property
     def weight(self) -> Tensor:
-        """:func:`weight_leaf` of the module, looked up at use time, so a parametrization registered
-        after BNP's setup is followed."""
+        """The kind's weight leaf of the module (:func:`~lightning_bnp.core.reparametrization.weight_leaf`), looked
+        up at use time, so a parametrization registered after BNP's setup is followed."""
         return self.kind.weight(self.module)
 
     @property

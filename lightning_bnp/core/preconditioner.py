@@ -71,7 +71,7 @@ from lightning_bnp.core.kinds import EMBEDDING, layer_kinds, select_layer_kinds
 from lightning_bnp.core.layers import NO_LEAF, BNPWarning, ManagedLayer, StepTransform, make_layers
 from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.reparametrization import manageable, unsupported
-from lightning_bnp.core.selection import validate_layer_types
+from lightning_bnp.core.selection import DEFAULT_LAYER_TYPES, validate_layer_types
 from lightning_bnp.core.stack import user_stacklevel
 from lightning_bnp.core.statistics import Moments, RunningStatistics, ema_update
 from lightning_bnp.core.transform import precondition_scaled_, q_squared, var_tilde
@@ -87,7 +87,6 @@ __all__ = [
     "validate_bnp_arguments",
 ]
 
-DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 StatisticsMode = Literal["running", "batch"]
 ConvStatistics = Literal["channel", "column"]
 
