@@ -1,7 +1,8 @@
 """Attention layers: ``nn.MultiheadAttention`` in every form, and Linears whose parent calls ``F.linear`` with
 their weight (issue 24, items 1–2).
 
-Two layer kinds (:mod:`lightning_bnp.core.kinds`) and one capture mechanism:
+Two layer kinds (:mod:`lightning_bnp.core.kinds`; the built-in ones are registered by
+:mod:`~lightning_bnp.core.builtin_kinds`) and one capture mechanism:
 
 * :class:`MHAProjectionKind` ×3 — the q, k and v projections of a ``nn.MultiheadAttention``: the row blocks
   ``in_proj_weight[0:E]``, ``[E:2E]``, ``[2E:3E]`` (or the separate ``q_proj_weight``/``k_proj_weight``/
@@ -339,12 +340,3 @@ def inferred_functional_linears(module: nn.Module, claimed: frozenset[int] = fro
         if isinstance(linear, nn.Linear) and id(linear) not in claimed:
             kinds.append(FunctionalLinearKind(type(module), child))
     return kinds
-
-
-for _block in range(3):
-    register_layer_kind(MHAProjectionKind(_block))
-register_layer_kind(MHAOutProjKind(nn.MultiheadAttention, "out_proj", name="MultiheadAttention.out_proj"))
-# torchvision's Swin (V1 and V2 share the class hierarchy): qkv and proj go through F.linear
-_SWIN = "torchvision.models.swin_transformer.ShiftedWindowAttention"
-register_layer_kind(FunctionalLinearKind(_SWIN, "qkv", name="torchvision.ShiftedWindowAttention.qkv"))
-register_layer_kind(FunctionalLinearKind(_SWIN, "proj", name="torchvision.ShiftedWindowAttention.proj"))

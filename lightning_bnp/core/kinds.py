@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, ClassVar
 
@@ -41,9 +42,8 @@ from lightning_bnp.core.moments import (
     token_moments,
 )
 from lightning_bnp.core.reparametrization import bias_leaf, tensor_leaf, weight_leaf
-from lightning_bnp.core.selection import filter_by_name, validate_layer_types
+from lightning_bnp.core.selection import filter_by_name
 from lightning_bnp.core.statistics import Moments, statistics_dtype
-from lightning_bnp.core.validation import check_patterns
 
 __all__ = [
     "LINEAR_FAMILY",
@@ -51,8 +51,10 @@ __all__ = [
     "EmbeddingKind",
     "LayerKind",
     "LinearKind",
+    "ModelScan",
     "TransformersConv1DKind",
     "layer_kinds",
+    "register_built_in_kinds",
     "register_layer_kind",
     "select_layer_kinds",
     "unregister_layer_kind",
@@ -338,6 +340,7 @@ class EmbeddingKind(LayerKind):
 
 
 _REGISTRY: dict[str, LayerKind] = {}
+_BUILT_IN: set[str] = set()  # registered by lightning_bnp.core.builtin_kinds: never unregistered
 
 
 def register_layer_kind(kind: LayerKind, *, replace: bool = False) -> LayerKind:
@@ -380,56 +383,78 @@ def unregister_layer_kind(name: str) -> None:
     del _REGISTRY[name]
 
 
+def register_built_in_kinds(*kinds: LayerKind) -> None:
+    """Register the package's own kinds (:mod:`lightning_bnp.core.builtin_kinds`), which
+    :func:`unregister_layer_kind` refuses to remove."""
+    for kind in kinds:
+        register_layer_kind(kind)
+        _BUILT_IN.add(kind.name)
+
+
 def layer_kinds() -> dict[str, LayerKind]:
     """The registered kinds by name (a copy)."""
     return dict(_REGISTRY)
 
 
-def kinds_for(layer_types: Sequence[str]) -> list[LayerKind]:
-    """The kinds ``layer_types`` selects: those it names, and those whose family it names."""
-    wanted = set(layer_types)
-    return [kind for name, kind in _REGISTRY.items() if name in wanted or kind.family in wanted]
+@dataclass(frozen=True)
+class ModelScan:
+    """What a model holds for BNP, found in one pass over its modules by
+    :func:`~lightning_bnp.core.model_scan.scan_model` and read by the selection (:func:`select_layer_kinds`), the
+    layers (:func:`~lightning_bnp.core.layers.make_layers`) and the coverage report
+    (:func:`~lightning_bnp.core.coverage.coverage`).
+
+    Attributes:
+        model: the model scanned.
+        layer_types: the validated ``layer_types`` (every name a registered kind).
+        selected_kinds: the kinds ``layer_types`` selects (:func:`~lightning_bnp.core.model_scan.kinds_for`).
+        known: every registered kind.
+        modules: ``named_modules()`` of the model.
+        applicable: per module name, the registered kinds that apply to it
+            (:func:`~lightning_bnp.core.model_scan.kinds_of`).
+        kinds: per module name, the selected kinds that apply to it, and the ``F.linear`` kinds read from its
+            class's source (:func:`~lightning_bnp.core.attention.inferred_functional_linears`).
+        claims: ``id`` of a module whose weight a parent's kind feeds in its place (:meth:`LayerKind.claims`)
+            → ``(parent name, kind)`` of each such claim.
+    """
+
+    model: nn.Module
+    layer_types: tuple[str, ...]
+    selected_kinds: tuple[LayerKind, ...]
+    known: tuple[LayerKind, ...]
+    modules: dict[str, nn.Module]
+    applicable: dict[str, list[LayerKind]]
+    kinds: dict[str, list[LayerKind]]
+    claims: dict[int, tuple[tuple[str, LayerKind], ...]]
+
+    def claimer_names(self, module: nn.Module) -> tuple[str, ...]:
+        """The names under which ``include``/``exclude`` select a claimed module: its parents' names and their
+        layers' names (``attn``, ``attn.out_proj``); empty for a module no kind claims."""
+        return tuple(n for name, kind in self.claims.get(id(module), ()) for n in (name, f"{name}{kind.suffix}"))
 
 
 def select_layer_kinds(
-    model: nn.Module,
-    layer_types: Sequence[str] | str,
-    include: Sequence[str] | str | None = None,
-    exclude: Sequence[str] | str | None = None,
+    scan: ModelScan, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
 ) -> dict[str, tuple[nn.Module, LayerKind]]:
-    """``{layer name: (module, kind)}`` of what BNP manages: every module to which a kind that ``layer_types``
-    selects applies (:func:`kinds_for`), kept or dropped by ``include``/``exclude`` as
-    :func:`~lightning_bnp.core.selection.select_layers` does (patterns match module names); a layer's name is
-    its module's name plus its kind's :attr:`~LayerKind.suffix`.
+    """``{layer name: (module, kind)}`` of what BNP manages: every module of the ``scan`` to which a kind that its
+    ``layer_types`` selects applies (:func:`~lightning_bnp.core.model_scan.kinds_for`) and that no other kind
+    claims, kept or dropped by ``include``/``exclude`` (validated pattern lists:
+    :func:`~lightning_bnp.core.validation.check_patterns`) as :func:`~lightning_bnp.core.selection.select_layers`
+    does (patterns match module names); a layer's name is its module's name plus its kind's
+    :attr:`~LayerKind.suffix`.
 
     Raises:
-        TypeError: ``layer_types``, ``include`` or ``exclude`` is not a string or a list of strings.
-        ValueError: an unknown type name, a pattern that matches no candidate, or nothing left to manage.
+        ValueError: a pattern that matches no candidate, or nothing left to manage.
     """
-    layer_types = validate_layer_types(layer_types, _REGISTRY)
-    include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
-    kinds, known = kinds_for(layer_types), list(_REGISTRY.values())
-    # what each module is (its most specific kinds), then whether layer_types wants that
-    found = {name: (m, [k for k in kinds_of(m, known) if k in kinds]) for name, m in model.named_modules()}
-    # a module another kind feeds in its place (a Linear its parent calls through F.linear) is that kind's
-    claimed = {id(c) for m, ks in found.values() for k in ks for c in k.claims(m)}
-    if LINEAR_FAMILY in layer_types:  # and so is a Linear an unknown parent uses that way (read from its source)
-        from lightning_bnp.core.attention import inferred_functional_linears
-
-        known_claims = frozenset(claimed)
-        for m, ks in found.values():
-            inferred = inferred_functional_linears(m, known_claims)
-            ks.extend(inferred)
-            claimed |= {id(c) for k in inferred for c in k.claims(m)}
-    candidates = {name: m for name, (m, ks) in found.items() if ks and id(m) not in claimed}
+    layer_types, found = scan.layer_types, scan.kinds
+    candidates = {name: m for name, m in scan.modules.items() if found[name] and id(m) not in scan.claims}
     # patterns match a module's name or a layer's (module name + suffix: `attn.q`, `attn.out_proj`)
-    names = {name: [name + k.suffix for k in found[name][1]] for name in candidates}
+    names = {name: [name + k.suffix for k in found[name]] for name in candidates}
     every = {n for name, layer_names in names.items() for n in (name, *layer_names)}
     kept = filter_by_name({n: nn.Module() for n in every}, layer_types, include, None)
     filter_by_name({n: nn.Module() for n in every}, layer_types, None, exclude)  # exclude patterns must match
     selected = {}
     for name, m in candidates.items():
-        for kind in found[name][1]:
+        for kind in found[name]:
             layer_name = name + kind.suffix
             both = (name, layer_name)
             if include is not None and not any(n in kept for n in both):
@@ -443,29 +468,3 @@ def select_layer_kinds(
             f"exclude={exclude!r}; candidates are {sorted(every)}"
         )
     return selected
-
-
-def kinds_of(module: nn.Module, kinds: Sequence[LayerKind]) -> list[LayerKind]:
-    """The kinds among ``kinds`` that apply to ``module``: per :attr:`~LayerKind.suffix`, the one whose class is
-    the most specific (first in the module's MRO), e.g. a user's kind for a subclass of ``nn.Linear``."""
-    mro = type(module).__mro__
-    best: dict[str, tuple[int, LayerKind]] = {}
-    for kind in kinds:
-        depth = min((mro.index(t) for t in kind.module_types() if t in mro), default=None)
-        if depth is not None and (kind.suffix not in best or depth < best[kind.suffix][0]):
-            best[kind.suffix] = (depth, kind)
-    return [kind for _, kind in best.values()]
-
-
-for _kind in (
-    LinearKind(),
-    ConvNdKind("Conv1d", nn.Conv1d),
-    ConvNdKind("Conv2d", nn.Conv2d),
-    ConvNdKind("Conv3d", nn.Conv3d),
-    TransformersConv1DKind(),
-    EmbeddingKind(),
-):
-    register_layer_kind(_kind)
-import lightning_bnp.core.attention  # noqa: E402, F401  (registers nn.MultiheadAttention's and F.linear kinds)
-
-_BUILT_IN = frozenset(_REGISTRY)

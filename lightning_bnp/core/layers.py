@@ -22,7 +22,7 @@ from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics
 from lightning_bnp.core.transform import precondition_
 
 if TYPE_CHECKING:
-    from lightning_bnp.core.kinds import LayerKind
+    from lightning_bnp.core.kinds import LayerKind, ModelScan
 
 __all__ = ["NO_LEAF", "BNPWarning", "ManagedLayer", "StepTransform", "make_layers", "weight_leaf"]
 
@@ -104,7 +104,7 @@ class ManagedLayer:
 
 
 def make_layers(
-    model: nn.Module,
+    scan: ModelScan,
     selected: dict[str, tuple[nn.Module, LayerKind]],
     *,
     rho: float,
@@ -112,9 +112,10 @@ def make_layers(
     conv_statistics: str = "channel",
     decay_offset: float = 0.0,
 ) -> dict[str, ManagedLayer]:
-    """One :class:`ManagedLayer` per distinct (weight, kind) of the ``selected`` modules: modules sharing a weight are
-    one layer (pooled like one module called twice). ``conv_statistics="column"``: convolutions keep one
-    statistic per im2col column (input channel, kernel offset) instead of one per input channel.
+    """One :class:`ManagedLayer` per distinct (weight, kind) of the ``selected`` modules of the ``scan``
+    (:func:`~lightning_bnp.core.model_scan.scan_model`): modules sharing a weight are one layer (pooled like one
+    module called twice). ``conv_statistics="column"``: convolutions keep one statistic per im2col column (input
+    channel, kernel offset) instead of one per input channel.
 
     Raises:
         ValueError: two modules share a weight but not their bias (P couples a weight with its bias), two
@@ -152,10 +153,12 @@ def make_layers(
             )
     managed = {id(layer.weight): layer.name for layer in layers.values()}
     modules = {id(m) for layer in layers.values() for m in layer.modules.values()}
-    modules |= {id(c) for layer in layers.values() for m in layer.modules.values() for c in layer.kind.claims(m)}
-    for name, module in model.named_modules():  # any other module holding a managed weight (e.g. a tied embedding)
+    names = {name for layer in layers.values() for name in layer.modules}
+    for name, module in scan.modules.items():  # any other module holding a managed weight (e.g. a tied embedding)
         if id(module) in modules or isinstance(module, parametrize.ParametrizationList):
             continue
+        if any(f"{parent}{kind.suffix}" in names for parent, kind in scan.claims.get(id(module), ())):
+            continue  # a managed layer's kind feeds it in its place (an attention's out_proj)
         for parameter in module._parameters.values():
             owner = managed.get(id(parameter))
             if owner is not None:
