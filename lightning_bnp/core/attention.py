@@ -77,7 +77,6 @@ class MHAProjectionKind(LayerKind):
     family = LINEAR_FAMILY
     module_type = nn.MultiheadAttention
     bias_name = "in_proj_bias"
-    captures = False
 
     def __init__(self, block: int) -> None:
         self.block = block
@@ -137,7 +136,6 @@ class FunctionalLinearKind(LayerKind):
     child's weight: its input is captured from that call (:func:`capturing`)."""
 
     family = LINEAR_FAMILY
-    captures = True
 
     def __init__(self, parent_type: type[nn.Module] | str, child: str, *, name: str | None = None) -> None:
         # a "package.module.Class" string is resolved when that module is imported (never imported here)
@@ -174,7 +172,7 @@ class FunctionalLinearKind(LayerKind):
     fan_in = features
 
     def watched(self, module: nn.Module) -> Tensor:
-        """The tensor the parent passes to ``F.linear``: the child's ``weight`` attribute."""
+        """The tensor the parent passes to ``F.linear``: the child's ``weight`` attribute (so :attr:`captures`)."""
         return self._child(module).weight  # type: ignore[return-value]
 
 

@@ -10,13 +10,17 @@ input that row multiplies. So a layer kind only says
   how they map to BNP's layout of output rows × input features (:meth:`LayerKind.rows`,
   :meth:`LayerKind.bias_rows`: a weight stored transposed, or a row block of a larger weight);
 * how to reduce the input to per-feature moments (:meth:`LayerKind.moments`), and the ``fan_in``,
-  ``groups`` and ``features`` that follow from the layout.
+  ``groups`` and ``features`` that follow from the layout;
+* what else sets it apart, so that the preconditioner never asks for a module class: the weight whose ``F.linear``
+  calls give its input (:meth:`LayerKind.watched`), what an entry of its statistics is, and whether statistics saved
+  under other options fit it (:meth:`LayerKind.statistics_unit`, :meth:`LayerKind.statistics_differ`).
 
 The preconditioner iterates over (module, kind) pairs and never special-cases a module class. ``nn.Linear``
-and ``nn.Conv{1,2,3}d`` are two built-in kinds; ``transformers.pytorch_utils.Conv1D`` (GPT-2's linear layer,
-weight stored (in, out)) is a third, resolved lazily: ``transformers`` is never imported here, and a model can
-only hold a Conv1D once the user has imported it. A user teaches BNP a new kind with
-:func:`register_layer_kind`; its :attr:`~LayerKind.name` is then accepted in ``layer_types`` (YAML too).
+and ``nn.Conv{1,2,3}d`` are two built-in kinds (registered by :mod:`~lightning_bnp.core.builtin_kinds`);
+``transformers.pytorch_utils.Conv1D`` (GPT-2's linear layer, weight stored (in, out)) is a third, resolved lazily:
+``transformers`` is never imported here, and a model can only hold a Conv1D once the user has imported it. A
+user teaches BNP a new kind with :func:`register_layer_kind`; its :attr:`~LayerKind.name` is then accepted in
+``layer_types`` (YAML too).
 
 Several kinds may apply to one module (each then feeds its own rows of its own weight from its own input,
 e.g. the q, k and v blocks of one packed projection: :meth:`~LayerKind.rows` returns ``weight[a:b]``, and
@@ -106,8 +110,8 @@ class LayerKind:
     same_rows: ClassVar[bool] = True
     default_input: ClassVar[bool] = True
     default_calls: ClassVar[bool] = True
-    #: True where the input is not an argument of the module's forward but captured from an ``F.linear`` call
-    #: made during it (:class:`~lightning_bnp.core.attention.FunctionalLinearKind`)
+    #: set per class: True where the class overrides :meth:`watched` (its input is captured from the
+    #: ``F.linear`` calls made with a watched weight during the module's forward, not an argument of it)
     captures: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -115,6 +119,7 @@ class LayerKind:
         cls.same_rows = cls.rows is LayerKind.rows and cls.bias_rows is LayerKind.bias_rows
         cls.default_input = cls.input is LayerKind.input
         cls.default_calls = cls.calls is LayerKind.calls
+        cls.captures = cls.watched is not LayerKind.watched
 
     def module_types(self) -> tuple[type[nn.Module], ...]:
         """The classes this kind applies to now (a kind may resolve them lazily, see
@@ -125,6 +130,21 @@ class LayerKind:
     def configure(self, **options: Any) -> LayerKind:
         """This kind under the preconditioner's options (e.g. ``conv_statistics``); ``self`` by default."""
         return self
+
+    def statistics_differ(self, **options: Any) -> bool:
+        """Whether statistics kept under the preconditioner ``options`` (a saved state's settings) have another
+        layout than this kind's, which cannot be converted (``conv_statistics``: per channel or per column)."""
+        return self.configure(**options) is not self
+
+    def statistics_unit(self, module: nn.Module) -> str:
+        """What one entry of μ and σ² is, in words (for messages)."""
+        return "input features" if self.dense else "input channels"
+
+    def watched(self, module: nn.Module) -> Tensor | None:
+        """The weight whose ``F.linear`` calls during the module's forward give this kind's inputs
+        (:func:`~lightning_bnp.core.attention.capturing`), or ``None`` (the default): the input is an argument of
+        the forward (:meth:`calls`)."""
+        return None
 
     def input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The input of one forward call, from the forward hook's arguments: the first positional argument,
@@ -260,6 +280,9 @@ class ConvNdKind(LayerKind):
     def features(self, module: nn.Module) -> int:
         channels = int(module.in_channels)  # type: ignore[arg-type]
         return channels * math.prod(module.kernel_size) if self.columns else channels  # type: ignore[arg-type]
+
+    def statistics_unit(self, module: nn.Module) -> str:
+        return "columns" if self.columns else "input channels"
 
 
 class TransformersConv1DKind(LayerKind):
