@@ -12,8 +12,8 @@ input that row multiplies. So a layer kind only says
 * how to reduce the input to per-feature moments (:meth:`LayerKind.moments`), and the ``fan_in``,
   ``groups`` and ``features`` that follow from the layout;
 * what else sets it apart, so that the preconditioner never asks for a module class: the weight whose ``F.linear``
-  calls give its input (:meth:`LayerKind.watched`), what an entry of its statistics is, and whether statistics saved
-  under other options fit it (:meth:`LayerKind.statistics_unit`, :meth:`LayerKind.statistics_differ`).
+  calls give its input (``watched``: :attr:`LayerKind.captures`), what an entry of its statistics is, and whether
+  statistics saved under other options fit it (:meth:`LayerKind.statistics_unit`, :meth:`~LayerKind.statistics_differ`).
 
 The preconditioner iterates over (module, kind) pairs and never special-cases a module class. ``nn.Linear``
 and ``nn.Conv{1,2,3}d`` are two built-in kinds (registered by :mod:`~lightning_bnp.core.builtin_kinds`);
@@ -110,8 +110,9 @@ class LayerKind:
     same_rows: ClassVar[bool] = True
     default_input: ClassVar[bool] = True
     default_calls: ClassVar[bool] = True
-    #: set per class: True where the class overrides :meth:`watched` (its input is captured from the
-    #: ``F.linear`` calls made with a watched weight during the module's forward, not an argument of it)
+    #: set per class: True where the class defines ``watched(module) -> Tensor``, the weight whose ``F.linear`` calls
+    #: during the module's forward give its input (captured: :func:`~lightning_bnp.core.attention.capturing`), which
+    #: is then not an argument of the forward (:class:`~lightning_bnp.core.attention.FunctionalLinearKind`)
     captures: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -119,7 +120,7 @@ class LayerKind:
         cls.same_rows = cls.rows is LayerKind.rows and cls.bias_rows is LayerKind.bias_rows
         cls.default_input = cls.input is LayerKind.input
         cls.default_calls = cls.calls is LayerKind.calls
-        cls.captures = cls.watched is not LayerKind.watched
+        cls.captures = callable(getattr(cls, "watched", None))
 
     def module_types(self) -> tuple[type[nn.Module], ...]:
         """The classes this kind applies to now (a kind may resolve them lazily, see
@@ -139,12 +140,6 @@ class LayerKind:
     def statistics_unit(self, module: nn.Module) -> str:
         """What one entry of μ and σ² is, in words (for messages)."""
         return "input features" if self.dense else "input channels"
-
-    def watched(self, module: nn.Module) -> Tensor | None:
-        """The weight whose ``F.linear`` calls during the module's forward give this kind's inputs
-        (:func:`~lightning_bnp.core.attention.capturing`), or ``None`` (the default): the input is an argument of
-        the forward (:meth:`calls`)."""
-        return None
 
     def input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The input of one forward call, from the forward hook's arguments: the first positional argument,

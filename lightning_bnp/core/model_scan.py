@@ -29,7 +29,7 @@ def scan_model(model: nn.Module, layer_types: Sequence[str]) -> ModelScan:
     kinds = {name: [k for k in found if k in selected] for name, found in applicable.items()}
     claims: dict[int, list[tuple[str, LayerKind]]] = {}
 
-    def claim(name: str, module: nn.Module, found: list[LayerKind]) -> None:
+    def claim(name: str, module: nn.Module, found: Sequence[LayerKind]) -> None:
         for kind in found:
             for claimed in kind.claims(module):
                 claims.setdefault(id(claimed), []).append((name, kind))

@@ -147,7 +147,7 @@ def tensor_leaf(module: nn.Module, name: str) -> Tensor:
     parametrizations = module._modules.get("parametrizations")
     if isinstance(parametrizations, nn.ModuleDict) and name in parametrizations:
         return parametrizations[name].original  # type: ignore[return-value]
-    return getattr(module, name)  # type: ignore[no-any-return]
+    return getattr(module, name)
 
 
 def bias_leaf(module: nn.Module) -> Tensor | None:
