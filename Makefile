@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python ≥ 3.10 and pip:
 #   make demo   – vanilla vs BatchNorm vs BNP on 5,000 bundled MNIST digits: summary table, PNG, TensorBoard logs
-#   make test   – ruff, mypy and the pytest suite (in parallel over the cores: pytest-xdist; the 10 slowest tests last)
+#   make test   – ruff, mypy, the import layering and circles (lint-imports) and the pytest suite (in parallel
+#                 over the cores: pytest-xdist; the 10 slowest tests last)
 # Both create (or refresh, when pyproject.toml changes) the virtual environment in .venv.
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,6 +23,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -p no:cacheprovider -n auto --dist worksteal --durations=10
 
 # `make reproduce` regenerates benchmarks/RESULTS.md and benchmarks/results/*.png (about 75 min on

@@ -1,12 +1,12 @@
 """Per-step cost of BNP against the same network without it and with BatchNorm, side by side (issue 16).
 
-Rows (the issue's table): a tiny FC 16-16×3 at batch 4 (host work only); the paper's FC 784-100×3 (Table 1) at batch 1, 16, 60, 256, 512; FC 784-1000×3 at
-1024; the 5-layer CNN on 3×32×32 at 2 and 128; the CIFAR ResNet-20 and ResNet-110 at 128 and torchvision's
-ResNet-50 on 3×64×64 at 64, each with GroupNorm (the baseline), BatchNorm, and BNP + GroupNorm; four
-pre-LayerNorm MLP blocks (d = 512, 4d hidden) on (32, 64, 512) tokens; issue 24's two Transformers of
-``benchmarks.transformers`` (every projection preconditioned): the ViT without normalization (7×7 patches, d = 64,
-2 blocks) at batch 60 and the byte-level causal LM (d = 128, 2 blocks, LayerNorm, context 64) at batch 32, whose
-loss is per token (no Lightning loop). Inputs are random: cost does not depend on the data.
+Rows (the issue's table): a tiny FC 16-16×3 at batch 4 (host work only); the paper's FC 784-100×3 (Table 1) at batch
+1, 16, 60, 256, 512; FC 784-1000×3 at 1024; the 5-layer CNN on 3×32×32 at 2 and 128; the CIFAR ResNet-20 and
+ResNet-110 at 128 and torchvision's ResNet-50 on 3×64×64 at 64, each with GroupNorm (the baseline), BatchNorm, and
+BNP + GroupNorm; four pre-LayerNorm MLP blocks (d = 512, 4d hidden) on (32, 64, 512) tokens; issue 24's two
+Transformers of ``benchmarks.transformers`` (every projection preconditioned): the ViT without normalization (7×7
+patches, d = 64, 2 blocks) at batch 60 and the byte-level causal LM (d = 128, 2 blocks, LayerNorm, context 64) at
+batch 32, whose loss is per token (no Lightning loop). Inputs are random: cost does not depend on the data.
 
 Every (row, variant, mode, precision, loop) is timed in one process, round-robin over repeats with
 the order rotated each repeat, so that load from other processes lands on all alike; the median per

@@ -35,7 +35,8 @@ from benchmarks.reproduce.sections import splice_section
 from benchmarks.reproduce.selection import fmt_range, mean
 from benchmarks.reproduce.settings import Setting
 from example_projects.models import cifar_resnet, cnn5
-from lightning_bnp.core.statistics import Moments, column_moments_of_input, moments_of_input
+from lightning_bnp.core.moments import column_moments_of_input, moments_of_input
+from lightning_bnp.core.statistics import Moments
 
 NAME = "conv_statistics"
 HEADER = "## 6. Per-channel vs exact per-column convolution statistics"

@@ -1,7 +1,8 @@
 """Attention layers: ``nn.MultiheadAttention`` in every form, and Linears whose parent calls ``F.linear`` with
 their weight (issue 24, items 1–2).
 
-Two layer kinds (:mod:`lightning_bnp.core.kinds`) and one capture mechanism:
+Two layer kinds (:mod:`lightning_bnp.core.kinds`; the built-in ones are registered by
+:mod:`~lightning_bnp.core.builtin_kinds`) and one capture mechanism:
 
 * :class:`MHAProjectionKind` ×3 — the q, k and v projections of a ``nn.MultiheadAttention``: the row blocks
   ``in_proj_weight[0:E]``, ``[E:2E]``, ``[2E:3E]`` (or the separate ``q_proj_weight``/``k_proj_weight``/
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_bnp.core.kinds import LINEAR_FAMILY, LayerKind, register_layer_kind
-from lightning_bnp.core.layers import weight_leaf
+from lightning_bnp.core.reparametrization import weight_leaf
 
 __all__ = [
     "FunctionalLinearKind",
@@ -76,7 +77,6 @@ class MHAProjectionKind(LayerKind):
     family = LINEAR_FAMILY
     module_type = nn.MultiheadAttention
     bias_name = "in_proj_bias"
-    captures = False
 
     def __init__(self, block: int) -> None:
         self.block = block
@@ -136,7 +136,6 @@ class FunctionalLinearKind(LayerKind):
     child's weight: its input is captured from that call (:func:`capturing`)."""
 
     family = LINEAR_FAMILY
-    captures = True
 
     def __init__(self, parent_type: type[nn.Module] | str, child: str, *, name: str | None = None) -> None:
         # a "package.module.Class" string is resolved when that module is imported (never imported here)
@@ -173,7 +172,7 @@ class FunctionalLinearKind(LayerKind):
     fan_in = features
 
     def watched(self, module: nn.Module) -> Tensor:
-        """The tensor the parent passes to ``F.linear``: the child's ``weight`` attribute."""
+        """The tensor the parent passes to ``F.linear``: the child's ``weight`` attribute (so :attr:`captures`)."""
         return self._child(module).weight  # type: ignore[return-value]
 
 
@@ -339,12 +338,3 @@ def inferred_functional_linears(module: nn.Module, claimed: frozenset[int] = fro
         if isinstance(linear, nn.Linear) and id(linear) not in claimed:
             kinds.append(FunctionalLinearKind(type(module), child))
     return kinds
-
-
-for _block in range(3):
-    register_layer_kind(MHAProjectionKind(_block))
-register_layer_kind(MHAOutProjKind(nn.MultiheadAttention, "out_proj", name="MultiheadAttention.out_proj"))
-# torchvision's Swin (V1 and V2 share the class hierarchy): qkv and proj go through F.linear
-_SWIN = "torchvision.models.swin_transformer.ShiftedWindowAttention"
-register_layer_kind(FunctionalLinearKind(_SWIN, "qkv", name="torchvision.ShiftedWindowAttention.qkv"))
-register_layer_kind(FunctionalLinearKind(_SWIN, "proj", name="torchvision.ShiftedWindowAttention.proj"))

@@ -65,14 +65,12 @@ def _check_length(
     if length == layer.features:
         return
     was = (saved_settings or {}).get("conv_statistics", "channel")
-    columns = bool(getattr(layer.kind, "columns", False))
-    if "conv_statistics" not in layer.kind.options or columns == (was == "column"):
-        unit = "input features" if layer.kind.dense else "columns" if columns else "input channels"
+    if not layer.kind.statistics_differ(**(saved_settings or {})):
         raise ValueError(
             f"BNP statistics of layer {name!r} have {length} entries, but the layer "
-            f"({type(layer.module).__name__}) has {layer.features} {unit}: the state was saved from "
-            "a model whose layer has another shape. Load it into the same architecture, or start "
-            "without the BNP state."
+            f"({type(layer.module).__name__}) has {layer.features} {layer.kind.statistics_unit(layer.module)}: the "
+            "state was saved from a model whose layer has another shape. Load it into the same architecture, or "
+            "start without the BNP state."
         )
     raise ValueError(
         f"BNP statistics of layer {name!r} have {length} entries, but it has {layer.features} with "

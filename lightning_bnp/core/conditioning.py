@@ -54,14 +54,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core.selection import select_layers, validate_layer_types
+from lightning_bnp.core.reparametrization import describe
+from lightning_bnp.core.selection import DEFAULT_LAYER_TYPES, select_layers, validate_layer_types
 from lightning_bnp.core.validation import check_choice, check_float, check_patterns
 
 __all__ = [
@@ -83,7 +84,6 @@ LayerChoice = Literal["all", "first_and_last"]
 MODES: tuple[str, ...] = get_args(Mode)
 LAYER_CHOICES: tuple[str, ...] = get_args(LayerChoice)
 DEFAULT_EPS = 1e-12
-DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 FUSED_MIN_NUMEL = 1 << 14  # weights this large use the custom autograd Function (see _scale_to_unit_norm)
 
 
@@ -235,6 +235,10 @@ class Equilibration(nn.Module):
         eps: floor of the norms.
     """
 
+    #: BNP preconditions the free parameter ``original`` as the layer's weight
+    #: (:data:`~lightning_bnp.core.reparametrization.FOLLOWS_ORIGINAL`; README "Weight Conditioning")
+    bnp_follows_original: ClassVar[bool] = True
+
     def __init__(self, mode: Mode = "row", eps: float = DEFAULT_EPS) -> None:
         super().__init__()
         validate_conditioning_arguments(mode, "all", eps)
@@ -330,8 +334,6 @@ def apply_weight_conditioning(
 
 def _no_weight_reason(module: nn.Module) -> str:
     """Why a selected layer has no plain ``weight`` parameter (for the error message)."""
-    from lightning_bnp.core.reparametrization import describe  # it imports this module
-
     weight = module._parameters.get("weight")
     if weight is not None and is_lazy(weight):
         return "it is an uninitialised lazy layer (run one forward pass first)"

@@ -9,7 +9,8 @@ BNP does not follow, an embedding left out (``embeddings=False``) or a positiona
 parent calls ``F.linear`` with its weight is transformed when its parent is known
 (:mod:`lightning_bnp.core.attention`) or its parent's ``forward`` source shows it
 (:func:`~lightning_bnp.core.attention.inferred_functional_linears`); where neither can be seen before a forward
-runs, the first step warns naming the layer.
+runs, the first step warns naming the layer. Which kinds apply to a module and which modules a parent claims come
+from the one scan of the model (:func:`~lightning_bnp.core.model_scan.scan_model`) that also selected the layers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core.kinds import LINEAR_FAMILY, LayerKind, kinds_for, kinds_of, layer_kinds
+from lightning_bnp.core.kinds import LayerKind, ModelScan
+from lightning_bnp.core.model_scan import kinds_of
 from lightning_bnp.core.reparametrization import unsupported
 
 if TYPE_CHECKING:
@@ -57,25 +59,22 @@ class Coverage:
 
 
 def coverage(
-    model: nn.Module,
+    scan: ModelScan,
     layers: Sequence[ManagedLayer],
-    layer_types: Sequence[str],
     include: Sequence[str] | None,
     exclude: Sequence[str] | None,
 ) -> Coverage:
-    """Sort every weight matrix of ``model`` into transformed or skipped (see the module docstring)."""
+    """Sort every weight matrix of the scanned model into transformed or skipped (see the module docstring), by
+    the kinds and claims of its ``scan`` (:func:`~lightning_bnp.core.model_scan.scan_model`)."""
     managed = {id(layer.weight): layer for layer in layers}
-    selected_kinds, known = kinds_for(layer_types), list(layer_kinds().values())
-    modules = dict(model.named_modules())
-    claimers: dict[int, tuple[str, ...]] | None = None  # built at the first weight that needs it
     transformed: list[str] = []
     trainable: dict[str, str] = {}
     frozen: dict[str, str] = {}
-    for name, p in model.named_parameters():
+    for name, p in scan.model.named_parameters():
         if p.dim() < 2:
             continue
         layer = managed.get(id(p))
-        missing = _missing_blocks(p, layer, layers, known) if layer is not None else []
+        missing = _missing_blocks(p, layer, layers, scan.known) if layer is not None else []
         if missing:  # some row blocks of a packed weight (e.g. q, k, v of in_proj_weight) are not managed
             reason = f"row blocks {missing} of it dropped by `include`/`exclude`; the others are transformed"
             (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
@@ -86,9 +85,7 @@ def coverage(
             else:
                 frozen[name] = "frozen (requires_grad=False); transformed once it trains"
             continue
-        if claimers is None:
-            claimers = _claimer_names(modules, selected_kinds, known)
-        reason = _reason(name, p, modules, selected_kinds, known, include, exclude, claimers)
+        reason = _reason(name, p, scan, include, exclude)
         (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
     count = len(transformed) + len(trainable)
     return Coverage(tuple(transformed), {**trainable, **frozen}, count)
@@ -97,25 +94,22 @@ def coverage(
 def _reason(
     name: str,
     parameter: nn.Parameter,
-    modules: dict[str, nn.Module],
-    selected_kinds: list[LayerKind],
-    known: list[LayerKind],
+    scan: ModelScan,
     include: Sequence[str] | None,
     exclude: Sequence[str] | None,
-    claimers: dict[int, tuple[str, ...]],
 ) -> str:
     owner_name, _, attr = name.rpartition(".")
     if ".parametrizations." in f".{name}":  # <module>.parametrizations.<tensor>.original…: the module's <tensor>
         prefix, _, path = f".{name}".partition(".parametrizations.")
         owner_name, attr = prefix[1:], path.partition(".")[0]
-    owner = modules.get(owner_name)
+    owner = scan.modules.get(owner_name)
     if owner is None:
         return "not held by a module BNP can find"
     why = unsupported(owner)
     if why is not None:  # README "Reparametrized layers"
         return f"left alone: {why}"
     cls = parametrize.type_before_parametrizations(owner)  # a `ParametrizedLinear` is named Linear
-    kinds = kinds_of(owner, known)
+    kinds, selected_kinds = scan.applicable[owner_name], scan.selected_kinds
     if isinstance(owner, nn.Embedding) and not any(k in selected_kinds for k in kinds):
         return "embedding (embeddings=False)"
     if isinstance(owner, nn.EmbeddingBag):
@@ -130,8 +124,9 @@ def _reason(
     if not fed:
         return f"a parameter of its {cls.__name__} layer that no layer kind feeds"
     # a layer's name is its module's, or its parent's plus a suffix (`attn.q`, `attn.out_proj`: core/attention.py);
-    # a module that a parent feeds in its place is selected under the parent's names only
-    names = claimers.get(id(owner)) or (
+    # a module that a parent feeds in its place is selected under the parent's names only (ModelScan.claims: also
+    # where it is reached first under another name, a module shared elsewhere in the model)
+    names = scan.claimer_names(owner) or (
         owner_name,
         owner_name.rpartition(".")[0],
         *(f"{owner_name}{k.suffix}" for k in kinds),
@@ -144,27 +139,6 @@ def _reason(
     return "reparametrized (torch.nn.utils.parametrize) in a form BNP does not follow"
 
 
-def _claimer_names(
-    modules: dict[str, nn.Module], selected_kinds: list[LayerKind], known: list[LayerKind]
-) -> dict[int, tuple[str, ...]]:
-    """``{id(module): names}`` for the modules whose weight a parent's kind feeds in their place — a parent that
-    uses it through ``F.linear``, registered (an attention's ``out_proj``) or read from its source — as
-    :func:`~lightning_bnp.core.kinds.select_layer_kinds` claims them: the parents' names and their layers' names,
-    under which ``include``/``exclude`` select such a module (also where it is reached first under another name, a
-    module shared elsewhere in the model)."""
-    from lightning_bnp.core.attention import inferred_functional_linears
-
-    linear = any(k.name == LINEAR_FAMILY for k in selected_kinds)  # as select_layer_kinds reads sources
-    names: dict[int, tuple[str, ...]] = {}
-    for name, module in modules.items():
-        kinds = [k for k in kinds_of(module, known) if k in selected_kinds]
-        kinds += inferred_functional_linears(module) if linear else []
-        for kind in kinds:
-            for claimed in kind.claims(module):
-                names[id(claimed)] = (*names.get(id(claimed), ()), name, f"{name}{kind.suffix}")
-    return names
-
-
 def _weight_of(kind: LayerKind, module: nn.Module) -> object:
     try:
         return kind.weight(module)
@@ -173,7 +147,7 @@ def _weight_of(kind: LayerKind, module: nn.Module) -> object:
 
 
 def _missing_blocks(
-    p: object, layer: ManagedLayer, layers: Sequence[ManagedLayer], known: list[LayerKind]
+    p: object, layer: ManagedLayer, layers: Sequence[ManagedLayer], known: Sequence[LayerKind]
 ) -> list[str]:
     """Names of the layers that would feed other row blocks of ``p`` (several kinds on one module) and are not
     managed."""

@@ -10,13 +10,17 @@ input that row multiplies. So a layer kind only says
   how they map to BNP's layout of output rows × input features (:meth:`LayerKind.rows`,
   :meth:`LayerKind.bias_rows`: a weight stored transposed, or a row block of a larger weight);
 * how to reduce the input to per-feature moments (:meth:`LayerKind.moments`), and the ``fan_in``,
-  ``groups`` and ``features`` that follow from the layout.
+  ``groups`` and ``features`` that follow from the layout;
+* what else sets it apart, so that the preconditioner never asks for a module class: the weight whose ``F.linear``
+  calls give its input (``watched``: :attr:`LayerKind.captures`), what an entry of its statistics is, and whether
+  statistics saved under other options fit it (:meth:`LayerKind.statistics_unit`, :meth:`~LayerKind.statistics_differ`).
 
 The preconditioner iterates over (module, kind) pairs and never special-cases a module class. ``nn.Linear``
-and ``nn.Conv{1,2,3}d`` are two built-in kinds; ``transformers.pytorch_utils.Conv1D`` (GPT-2's linear layer,
-weight stored (in, out)) is a third, resolved lazily: ``transformers`` is never imported here, and a model can
-only hold a Conv1D once the user has imported it. A user teaches BNP a new kind with
-:func:`register_layer_kind`; its :attr:`~LayerKind.name` is then accepted in ``layer_types`` (YAML too).
+and ``nn.Conv{1,2,3}d`` are two built-in kinds (registered by :mod:`~lightning_bnp.core.builtin_kinds`);
+``transformers.pytorch_utils.Conv1D`` (GPT-2's linear layer, weight stored (in, out)) is a third, resolved lazily:
+``transformers`` is never imported here, and a model can only hold a Conv1D once the user has imported it. A
+user teaches BNP a new kind with :func:`register_layer_kind`; its :attr:`~LayerKind.name` is then accepted in
+``layer_types`` (YAML too).
 
 Several kinds may apply to one module (each then feeds its own rows of its own weight from its own input,
 e.g. the q, k and v blocks of one packed projection: :meth:`~LayerKind.rows` returns ``weight[a:b]``, and
@@ -28,24 +32,22 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from lightning_bnp.core.layers import weight_leaf
-from lightning_bnp.core.reparametrization import bias_leaf
-from lightning_bnp.core.selection import filter_by_name, validate_layer_types
-from lightning_bnp.core.statistics import (
-    Moments,
+from lightning_bnp.core.moments import (
     column_moments_of_input,
     feature_moments,
     masked_feature_moments,
     moments_of_input,
-    statistics_dtype,
     token_moments,
 )
-from lightning_bnp.core.validation import check_patterns
+from lightning_bnp.core.reparametrization import bias_leaf, tensor_leaf, weight_leaf
+from lightning_bnp.core.selection import filter_by_name
+from lightning_bnp.core.statistics import Moments, statistics_dtype
 
 __all__ = [
     "LINEAR_FAMILY",
@@ -53,8 +55,10 @@ __all__ = [
     "EmbeddingKind",
     "LayerKind",
     "LinearKind",
+    "ModelScan",
     "TransformersConv1DKind",
     "layer_kinds",
+    "register_built_in_kinds",
     "register_layer_kind",
     "select_layer_kinds",
     "unregister_layer_kind",
@@ -106,8 +110,9 @@ class LayerKind:
     same_rows: ClassVar[bool] = True
     default_input: ClassVar[bool] = True
     default_calls: ClassVar[bool] = True
-    #: True where the input is not an argument of the module's forward but captured from an ``F.linear`` call
-    #: made during it (:class:`~lightning_bnp.core.attention.FunctionalLinearKind`)
+    #: set per class: True where the class defines ``watched(module) -> Tensor``, the weight whose ``F.linear`` calls
+    #: during the module's forward give its input (captured: :func:`~lightning_bnp.core.attention.capturing`), which
+    #: is then not an argument of the forward (:class:`~lightning_bnp.core.attention.FunctionalLinearKind`)
     captures: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -115,6 +120,7 @@ class LayerKind:
         cls.same_rows = cls.rows is LayerKind.rows and cls.bias_rows is LayerKind.bias_rows
         cls.default_input = cls.input is LayerKind.input
         cls.default_calls = cls.calls is LayerKind.calls
+        cls.captures = callable(getattr(cls, "watched", None))
 
     def module_types(self) -> tuple[type[nn.Module], ...]:
         """The classes this kind applies to now (a kind may resolve them lazily, see
@@ -125,6 +131,15 @@ class LayerKind:
     def configure(self, **options: Any) -> LayerKind:
         """This kind under the preconditioner's options (e.g. ``conv_statistics``); ``self`` by default."""
         return self
+
+    def statistics_differ(self, **options: Any) -> bool:
+        """Whether statistics kept under the preconditioner ``options`` (a saved state's settings) have another
+        layout than this kind's, which cannot be converted (``conv_statistics``: per channel or per column)."""
+        return self.configure(**options) is not self
+
+    def statistics_unit(self, module: nn.Module) -> str:
+        """What one entry of μ and σ² is, in words (for messages)."""
+        return "input features" if self.dense else "input channels"
 
     def input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The input of one forward call, from the forward hook's arguments: the first positional argument,
@@ -150,13 +165,9 @@ class LayerKind:
         return None
 
     def weight(self, module: nn.Module) -> Tensor:
-        """The trainable weight leaf (``parametrizations.<name>.original`` under ``torch.nn.utils.parametrize``)."""
-        if self.weight_name == "weight":
-            return weight_leaf(module)
-        parametrizations = module._modules.get("parametrizations")
-        if isinstance(parametrizations, nn.ModuleDict) and self.weight_name in parametrizations:
-            return parametrizations[self.weight_name].original  # type: ignore[return-value]
-        return getattr(module, self.weight_name)
+        """The trainable weight leaf (``parametrizations.<name>.original`` under ``torch.nn.utils.parametrize``:
+        :func:`~lightning_bnp.core.reparametrization.tensor_leaf`)."""
+        return tensor_leaf(module, self.weight_name)
 
     def bias(self, module: nn.Module) -> Tensor | None:
         """The bias the input's rows feed, or ``None``."""
@@ -200,7 +211,7 @@ class LayerKind:
 
     def moments(self, module: nn.Module, h: Tensor, output: Any) -> Moments:
         """Statistics of one forward call's input ``h``: a linear layer's, per feature (last dimension) over
-        every leading dimension (:func:`~lightning_bnp.core.statistics.feature_moments`)."""
+        every leading dimension (:func:`~lightning_bnp.core.moments.feature_moments`)."""
         return feature_moments(h)
 
     def token_rows(
@@ -214,7 +225,7 @@ class LayerKind:
 
     def masked_moments(self, module: nn.Module, h: Tensor, output: Any, real: Tensor) -> Moments:
         """:meth:`moments` of the rows of ``h`` that ``real`` (from :meth:`token_rows`) marks, their count on
-        the device (:func:`~lightning_bnp.core.statistics.masked_feature_moments`)."""
+        the device (:func:`~lightning_bnp.core.moments.masked_feature_moments`)."""
         return masked_feature_moments(h, real)
 
     def __repr__(self) -> str:
@@ -265,6 +276,9 @@ class ConvNdKind(LayerKind):
         channels = int(module.in_channels)  # type: ignore[arg-type]
         return channels * math.prod(module.kernel_size) if self.columns else channels  # type: ignore[arg-type]
 
+    def statistics_unit(self, module: nn.Module) -> str:
+        return "columns" if self.columns else "input channels"
+
 
 class TransformersConv1DKind(LayerKind):
     """``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, …): a linear layer ``addmm(bias, x, weight)`` whose
@@ -297,7 +311,7 @@ class EmbeddingKind(LayerKind):
     the columns of ``weight`` (:meth:`rows` is ``weight.t()``), its input features the vocabulary, so Alg. 2
     applies as it does to ``nn.Linear(num_embeddings, embedding_dim, bias=False)`` with weight ``weight.t()``:
     σ² is the uncentred second moment of a one-hot column, the token's frequency, and q² = max(V/N, 1) with
-    N the tokens of the step. The one-hot matrix is never built (:func:`~lightning_bnp.core.statistics.
+    N the tokens of the step. The one-hot matrix is never built (:func:`~lightning_bnp.core.moments.
     token_moments`). Not in the default ``layer_types``: ``BNPPreconditioner(model, embeddings=True)``.
 
     ``padding_idx`` positions are not counted (their row gets no gradient; μ, σ², N are the real tokens');
@@ -344,6 +358,7 @@ class EmbeddingKind(LayerKind):
 
 
 _REGISTRY: dict[str, LayerKind] = {}
+_BUILT_IN: set[str] = set()  # registered by lightning_bnp.core.builtin_kinds: never unregistered
 
 
 def register_layer_kind(kind: LayerKind, *, replace: bool = False) -> LayerKind:
@@ -386,56 +401,78 @@ def unregister_layer_kind(name: str) -> None:
     del _REGISTRY[name]
 
 
+def register_built_in_kinds(*kinds: LayerKind) -> None:
+    """Register the package's own kinds (:mod:`lightning_bnp.core.builtin_kinds`), which
+    :func:`unregister_layer_kind` refuses to remove."""
+    for kind in kinds:
+        register_layer_kind(kind)
+        _BUILT_IN.add(kind.name)
+
+
 def layer_kinds() -> dict[str, LayerKind]:
     """The registered kinds by name (a copy)."""
     return dict(_REGISTRY)
 
 
-def kinds_for(layer_types: Sequence[str]) -> list[LayerKind]:
-    """The kinds ``layer_types`` selects: those it names, and those whose family it names."""
-    wanted = set(layer_types)
-    return [kind for name, kind in _REGISTRY.items() if name in wanted or kind.family in wanted]
+@dataclass(frozen=True)
+class ModelScan:
+    """What a model holds for BNP, found in one pass over its modules by
+    :func:`~lightning_bnp.core.model_scan.scan_model` and read by the selection (:func:`select_layer_kinds`), the
+    layers (:func:`~lightning_bnp.core.layers.make_layers`) and the coverage report
+    (:func:`~lightning_bnp.core.coverage.coverage`).
+
+    Attributes:
+        model: the model scanned.
+        layer_types: the validated ``layer_types`` (every name a registered kind).
+        selected_kinds: the kinds ``layer_types`` selects (:func:`~lightning_bnp.core.model_scan.kinds_for`).
+        known: every registered kind.
+        modules: ``named_modules()`` of the model.
+        applicable: per module name, the registered kinds that apply to it
+            (:func:`~lightning_bnp.core.model_scan.kinds_of`).
+        kinds: per module name, the selected kinds that apply to it, and the ``F.linear`` kinds read from its
+            class's source (:func:`~lightning_bnp.core.attention.inferred_functional_linears`).
+        claims: ``id`` of a module whose weight a parent's kind feeds in its place (:meth:`LayerKind.claims`)
+            → ``(parent name, kind)`` of each such claim.
+    """
+
+    model: nn.Module
+    layer_types: tuple[str, ...]
+    selected_kinds: tuple[LayerKind, ...]
+    known: tuple[LayerKind, ...]
+    modules: dict[str, nn.Module]
+    applicable: dict[str, list[LayerKind]]
+    kinds: dict[str, list[LayerKind]]
+    claims: dict[int, tuple[tuple[str, LayerKind], ...]]
+
+    def claimer_names(self, module: nn.Module) -> tuple[str, ...]:
+        """The names under which ``include``/``exclude`` select a claimed module: its parents' names and their
+        layers' names (``attn``, ``attn.out_proj``); empty for a module no kind claims."""
+        return tuple(n for name, kind in self.claims.get(id(module), ()) for n in (name, f"{name}{kind.suffix}"))
 
 
 def select_layer_kinds(
-    model: nn.Module,
-    layer_types: Sequence[str] | str,
-    include: Sequence[str] | str | None = None,
-    exclude: Sequence[str] | str | None = None,
+    scan: ModelScan, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
 ) -> dict[str, tuple[nn.Module, LayerKind]]:
-    """``{layer name: (module, kind)}`` of what BNP manages: every module to which a kind that ``layer_types``
-    selects applies (:func:`kinds_for`), kept or dropped by ``include``/``exclude`` as
-    :func:`~lightning_bnp.core.selection.select_layers` does (patterns match module names); a layer's name is
-    its module's name plus its kind's :attr:`~LayerKind.suffix`.
+    """``{layer name: (module, kind)}`` of what BNP manages: every module of the ``scan`` to which a kind that its
+    ``layer_types`` selects applies (:func:`~lightning_bnp.core.model_scan.kinds_for`) and that no other kind
+    claims, kept or dropped by ``include``/``exclude`` (validated pattern lists:
+    :func:`~lightning_bnp.core.validation.check_patterns`) as :func:`~lightning_bnp.core.selection.select_layers`
+    does (patterns match module names); a layer's name is its module's name plus its kind's
+    :attr:`~LayerKind.suffix`.
 
     Raises:
-        TypeError: ``layer_types``, ``include`` or ``exclude`` is not a string or a list of strings.
-        ValueError: an unknown type name, a pattern that matches no candidate, or nothing left to manage.
+        ValueError: a pattern that matches no candidate, or nothing left to manage.
     """
-    layer_types = validate_layer_types(layer_types, _REGISTRY)
-    include, exclude = check_patterns("include", include), check_patterns("exclude", exclude)
-    kinds, known = kinds_for(layer_types), list(_REGISTRY.values())
-    # what each module is (its most specific kinds), then whether layer_types wants that
-    found = {name: (m, [k for k in kinds_of(m, known) if k in kinds]) for name, m in model.named_modules()}
-    # a module another kind feeds in its place (a Linear its parent calls through F.linear) is that kind's
-    claimed = {id(c) for m, ks in found.values() for k in ks for c in k.claims(m)}
-    if LINEAR_FAMILY in layer_types:  # and so is a Linear an unknown parent uses that way (read from its source)
-        from lightning_bnp.core.attention import inferred_functional_linears
-
-        known_claims = frozenset(claimed)
-        for m, ks in found.values():
-            inferred = inferred_functional_linears(m, known_claims)
-            ks.extend(inferred)
-            claimed |= {id(c) for k in inferred for c in k.claims(m)}
-    candidates = {name: m for name, (m, ks) in found.items() if ks and id(m) not in claimed}
+    layer_types, found = scan.layer_types, scan.kinds
+    candidates = {name: m for name, m in scan.modules.items() if found[name] and id(m) not in scan.claims}
     # patterns match a module's name or a layer's (module name + suffix: `attn.q`, `attn.out_proj`)
-    names = {name: [name + k.suffix for k in found[name][1]] for name in candidates}
+    names = {name: [name + k.suffix for k in found[name]] for name in candidates}
     every = {n for name, layer_names in names.items() for n in (name, *layer_names)}
     kept = filter_by_name({n: nn.Module() for n in every}, layer_types, include, None)
     filter_by_name({n: nn.Module() for n in every}, layer_types, None, exclude)  # exclude patterns must match
     selected = {}
     for name, m in candidates.items():
-        for kind in found[name][1]:
+        for kind in found[name]:
             layer_name = name + kind.suffix
             both = (name, layer_name)
             if include is not None and not any(n in kept for n in both):
@@ -449,29 +486,3 @@ def select_layer_kinds(
             f"exclude={exclude!r}; candidates are {sorted(every)}"
         )
     return selected
-
-
-def kinds_of(module: nn.Module, kinds: Sequence[LayerKind]) -> list[LayerKind]:
-    """The kinds among ``kinds`` that apply to ``module``: per :attr:`~LayerKind.suffix`, the one whose class is
-    the most specific (first in the module's MRO), e.g. a user's kind for a subclass of ``nn.Linear``."""
-    mro = type(module).__mro__
-    best: dict[str, tuple[int, LayerKind]] = {}
-    for kind in kinds:
-        depth = min((mro.index(t) for t in kind.module_types() if t in mro), default=None)
-        if depth is not None and (kind.suffix not in best or depth < best[kind.suffix][0]):
-            best[kind.suffix] = (depth, kind)
-    return [kind for _, kind in best.values()]
-
-
-for _kind in (
-    LinearKind(),
-    ConvNdKind("Conv1d", nn.Conv1d),
-    ConvNdKind("Conv2d", nn.Conv2d),
-    ConvNdKind("Conv3d", nn.Conv3d),
-    TransformersConv1DKind(),
-    EmbeddingKind(),
-):
-    register_layer_kind(_kind)
-import lightning_bnp.core.attention  # noqa: E402, F401  (registers nn.MultiheadAttention's and F.linear kinds)
-
-_BUILT_IN = frozenset(_REGISTRY)

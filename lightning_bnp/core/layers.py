@@ -16,32 +16,19 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core import reparametrization
-from lightning_bnp.core.reparametrization import NO_LEAF
+from lightning_bnp.core.reparametrization import NO_LEAF, weight_leaf
 from lightning_bnp.core.stack import user_stacklevel
 from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics_dtype
 from lightning_bnp.core.transform import precondition_
 
 if TYPE_CHECKING:
-    from lightning_bnp.core.kinds import LayerKind
+    from lightning_bnp.core.kinds import LayerKind, ModelScan
 
 __all__ = ["NO_LEAF", "BNPWarning", "ManagedLayer", "StepTransform", "make_layers", "weight_leaf"]
 
 
 class BNPWarning(UserWarning):
     """Raised (once per layer and cause) for managed layers that BNP cannot precondition in a step."""
-
-
-def weight_leaf(module: nn.Module) -> Tensor:
-    """The trainable weight: ``weight``, or under a reparametrization the leaf that
-    :mod:`~lightning_bnp.core.reparametrization` names (``weight_orig`` when pruned,
-    ``parametrizations.weight.original`` under Weight Conditioning; :data:`NO_LEAF` for a layer BNP leaves alone)."""
-    # the fields nn.Module keeps, read directly: this runs for every layer every step, and
-    # ``module.weight`` goes through nn.Module.__getattr__ (issue 16)
-    weight = module._parameters.get("weight")
-    if weight is not None and "parametrizations" not in module._modules:
-        return weight
-    return reparametrization.weight_leaf(module)
 
 
 def _as_is(tensor: Tensor) -> Tensor:
@@ -99,8 +86,8 @@ class ManagedLayer:
 
     @property
     def weight(self) -> Tensor:
-        """:func:`weight_leaf` of the module, looked up at use time, so a parametrization registered
-        after BNP's setup is followed."""
+        """The kind's weight leaf of the module (:func:`~lightning_bnp.core.reparametrization.weight_leaf`), looked
+        up at use time, so a parametrization registered after BNP's setup is followed."""
         return self.kind.weight(self.module)
 
     @property
@@ -121,7 +108,7 @@ class ManagedLayer:
 
 
 def make_layers(
-    model: nn.Module,
+    scan: ModelScan,
     selected: dict[str, tuple[nn.Module, LayerKind]],
     *,
     rho: float,
@@ -129,9 +116,10 @@ def make_layers(
     conv_statistics: str = "channel",
     decay_offset: float = 0.0,
 ) -> dict[str, ManagedLayer]:
-    """One :class:`ManagedLayer` per distinct (weight, kind) of the ``selected`` modules: modules sharing a weight are
-    one layer (pooled like one module called twice). ``conv_statistics="column"``: convolutions keep one
-    statistic per im2col column (input channel, kernel offset) instead of one per input channel.
+    """One :class:`ManagedLayer` per distinct (weight, kind) of the ``selected`` modules of the ``scan``
+    (:func:`~lightning_bnp.core.model_scan.scan_model`): modules sharing a weight are one layer (pooled like one
+    module called twice). ``conv_statistics="column"``: convolutions keep one statistic per im2col column (input
+    channel, kernel offset) instead of one per input channel.
 
     Raises:
         ValueError: two modules share a weight but not their bias (P couples a weight with its bias), two
@@ -169,10 +157,12 @@ def make_layers(
             )
     managed = {id(layer.weight): layer.name for layer in layers.values()}
     modules = {id(m) for layer in layers.values() for m in layer.modules.values()}
-    modules |= {id(c) for layer in layers.values() for m in layer.modules.values() for c in layer.kind.claims(m)}
-    for name, module in model.named_modules():  # any other module holding a managed weight (e.g. a tied embedding)
+    names = {name for layer in layers.values() for name in layer.modules}
+    for name, module in scan.modules.items():  # any other module holding a managed weight (e.g. a tied embedding)
         if id(module) in modules or isinstance(module, parametrize.ParametrizationList):
             continue
+        if any(f"{parent}{kind.suffix}" in names for parent, kind in scan.claims.get(id(module), ())):
+            continue  # a managed layer's kind feeds it in its place (an attention's out_proj)
         for parameter in module._parameters.values():
             owner = managed.get(id(parameter))
             if owner is not None:

@@ -8,21 +8,25 @@ the small vectors themselves do not. Per-layer maxima are one ``segment_reduce``
 scalar (q², the floor) reaches its layer's entries through one ``index_select``.
 
 The index tensors are built once per set of layers stepped together and reused every step.
+:func:`variance_ceiling` is the largest σ²_H a step stores (where an overflowed one saturates).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["FeatureLayout", "sigma2_ceiling"]
+from lightning_bnp.core.bounded_cache import BoundedCache
+
+__all__ = ["FeatureLayout", "variance_ceiling"]
 
 
-def sigma2_ceiling(dtype: torch.dtype) -> float:
-    """The largest σ²_H a step stores: far enough below the dtype's maximum that σ̃² and q²·σ̃² stay finite
-    (q² up to 2^24); an overflowed σ²_H saturates there (the step's overflow warning says so)."""
+def variance_ceiling(dtype: torch.dtype) -> float:
+    """The largest σ²_H a step stores in ``dtype``: far enough below the dtype's maximum that σ̃² and q²·σ̃² stay
+    finite (q² up to 2^24). A larger (overflowed) σ²_H saturates there."""
     return torch.finfo(dtype).max * 2.0**-24
 
 
@@ -57,13 +61,13 @@ class FeatureLayout:
         self.device, self.dtype = device, dtype
         # 1 on the entries of layers without a bias, 0 elsewhere; None when every layer has one
         self.uncentred_mask = None if all(centred) else self.per_layer([float(not c) for c in centred])
-        self._cache: dict[tuple[float, ...], Tensor] = {}
+        self._cache: BoundedCache[tuple[Any, ...], Tensor] = BoundedCache(8)  # per_layer_cached / per_layer_values
         # the running state of a step is one vector [m ; v ; d] (d = ρ^t per layer): the layer of each entry
         layers = torch.arange(len(self.sizes), device=device)
         self.state_owner = torch.cat([self.owner, self.owner, layers])
         # the batch value of d = ρ^t + κ in the running update: d ← ρ·d + (1 − ρ)·κ
         self.decay_target = torch.full((len(self.sizes),), decay_offset, dtype=dtype, device=device)
-        self.ceiling = sigma2_ceiling(dtype)
+        self.ceiling = variance_ceiling(dtype)
         self._ones = [1] * len(self.sizes)
 
     def per_layer(self, values: Sequence[float]) -> Tensor:
@@ -74,22 +78,12 @@ class FeatureLayout:
         """:meth:`per_layer` for values that rarely change from step to step (q², the view's scale):
         built once per distinct tuple (the last 8 kept)."""
         key = tuple(values)
-        found = self._cache.get(key)
-        if found is None:
-            if len(self._cache) >= 8:
-                self._cache.pop(next(iter(self._cache)))
-            found = self._cache[key] = self.per_layer(key)
-        return found
+        return self._cache.get_or_make(key, lambda: self.per_layer(key))
 
     def per_layer_values(self, values: Sequence[float]) -> Tensor:
         """``values`` as one tensor of one entry per layer, built once per distinct tuple (the last 8 kept)."""
         key = ("layers", *values)
-        found = self._cache.get(key)  # type: ignore[arg-type]
-        if found is None:
-            if len(self._cache) >= 8:
-                self._cache.pop(next(iter(self._cache)))
-            found = self._cache[key] = torch.tensor(values, dtype=self.dtype, device=self.device)  # type: ignore[index]
-        return found
+        return self._cache.get_or_make(key, lambda: torch.tensor(values, dtype=self.dtype, device=self.device))
 
     def layer_max(self, flat: Tensor) -> Tensor:
         """max over each layer's entries, broadcast back onto them."""

@@ -62,9 +62,10 @@ from lightning_bnp.core.collection import StatisticsCollection
 from lightning_bnp.core.coverage import Coverage, coverage
 from lightning_bnp.core.kinds import EMBEDDING, layer_kinds, select_layer_kinds
 from lightning_bnp.core.layers import BNPWarning, ManagedLayer, StepTransform, make_layers
+from lightning_bnp.core.model_scan import scan_model
 from lightning_bnp.core.pending import OptimizerCommits, PendingUpdate
 from lightning_bnp.core.reparametrization import manageable
-from lightning_bnp.core.selection import validate_layer_types
+from lightning_bnp.core.selection import DEFAULT_LAYER_TYPES, validate_layer_types
 from lightning_bnp.core.step import PreconditionerStep
 from lightning_bnp.core.step_warnings import StepWarnings
 from lightning_bnp.core.token_masks import TokenMasks
@@ -80,7 +81,6 @@ __all__ = [
     "validate_bnp_arguments",
 ]
 
-DEFAULT_LAYER_TYPES = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 StatisticsMode = Literal["running", "batch"]
 ConvStatistics = Literal["channel", "column"]
 
@@ -214,13 +214,14 @@ class BNPPreconditioner(ArgumentsRepr):
         self.process_group = process_group
         if embeddings and EMBEDDING not in layer_types:
             layer_types = [*layer_types, EMBEDDING]
-        chosen = select_layer_kinds(model, layer_types, include, exclude)
+        scan = scan_model(model, layer_types)  # the model read once: kinds and claims, for all three below
+        chosen = select_layer_kinds(scan, include, exclude)
         kept = manageable({name: module for name, (module, _) in chosen.items()}, BNPWarning)
         selected = {name: chosen[name] for name in kept}
         # the paper's view folds ε2 into the running ρ^t: decay = ρ^t + ε2/(1 + ε1) (step_math's σ̃² floor)
         self._decay_offset = 0.0 if bias_correction else eps2 / (1.0 + eps1)
         self.layers: dict[str, ManagedLayer] = make_layers(
-            model,
+            scan,
             selected,
             rho=rho,
             bias_correction=bias_correction,
@@ -228,7 +229,7 @@ class BNPPreconditioner(ArgumentsRepr):
             decay_offset=self._decay_offset,
         )
         self._layer_list = list(self.layers.values())
-        self.coverage: Coverage = coverage(model, self._layer_list, layer_types, include, exclude)
+        self.coverage: Coverage = coverage(scan, self._layer_list, include, exclude)
         self._build_parts()
         self.attach()
 

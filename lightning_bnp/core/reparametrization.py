@@ -11,7 +11,8 @@ each way torch does it (README "Reparametrized layers"):
   Masked entries get a nonzero update but the mask hides it from the output, as it hides momentum's.
 * this package's Equilibration (``WeightConditioning``): the leaf ``parametrizations.weight.original``
   (the documented composition: BNP preconditions the free parameter's gradient; README "Weight
-  Conditioning").
+  Conditioning"). A parametrization says so itself, with a class attribute ``bnp_follows_original = True``
+  (:data:`FOLLOWS_ORIGINAL`): this module knows no feature's class.
 * every other reparametrization — ``torch.nn.utils.parametrize`` with anything else on ``weight``
   or ``bias`` (``parametrizations.weight_norm``, ``spectral_norm``, ``orthogonal``, user ones), the
   legacy hook-based ``torch.nn.utils.weight_norm`` / ``spectral_norm``, a ``weight`` that is not a
@@ -33,7 +34,21 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_bnp.core.stack import user_stacklevel
 
-__all__ = ["NO_LEAF", "bias_leaf", "describe", "lazy_names", "manageable", "unsupported", "weight_leaf"]
+__all__ = [
+    "FOLLOWS_ORIGINAL",
+    "NO_LEAF",
+    "bias_leaf",
+    "describe",
+    "lazy_names",
+    "manageable",
+    "tensor_leaf",
+    "unsupported",
+    "weight_leaf",
+]
+
+#: the class attribute by which a parametrization of ``weight`` declares that BNP preconditions its free
+#: parameter ``parametrizations.weight.original`` as the layer's weight (``Equilibration`` sets it True)
+FOLLOWS_ORIGINAL = "bnp_follows_original"
 
 # what `weight_leaf` gives for a layer BNP leaves alone: no gradient, not trainable, in no optimizer,
 # so the forward hook records nothing and the step skips it (``preconditioner`` names it once)
@@ -60,10 +75,9 @@ def _chain(module: nn.Module, name: str) -> parametrize.ParametrizationList:
     return module.parametrizations[name]  # type: ignore[index, return-value]
 
 
-def _only_equilibration(module: nn.Module, name: str) -> bool:
-    from lightning_bnp.core.conditioning import Equilibration  # conditioning imports this module's users
-
-    return name == "weight" and all(isinstance(p, Equilibration) for p in _chain(module, name))
+def _followed(module: nn.Module, name: str) -> bool:
+    """Whether every parametrization of ``module.<name>`` declares :data:`FOLLOWS_ORIGINAL` (``weight`` only)."""
+    return name == "weight" and all(getattr(p, FOLLOWS_ORIGINAL, False) is True for p in _chain(module, name))
 
 
 def describe(module: nn.Module, name: str) -> str | None:
@@ -90,7 +104,7 @@ def _why(module: nn.Module, name: str) -> str | None:
     description = describe(module, name)
     if description is None or description.startswith("pruned"):
         return None
-    if parametrize.is_parametrized(module, name) and _only_equilibration(module, name):
+    if parametrize.is_parametrized(module, name) and _followed(module, name):
         return None
     if description.startswith("not a parameter"):
         return f"its {name} is {description}, so its gradient is not the one an optimizer uses"
@@ -107,8 +121,14 @@ def unsupported(module: nn.Module) -> str | None:
 
 
 def weight_leaf(module: nn.Module) -> Tensor:
-    """The trainable tensor BNP preconditions as the layer's weight (the module docstring's rule), or
-    :data:`NO_LEAF` for a layer it leaves alone."""
+    """The trainable tensor BNP preconditions as the layer's weight (the module docstring's rule): ``weight``, or
+    under a reparametrization the leaf that stands for it (``weight_orig`` when pruned,
+    ``parametrizations.weight.original`` under Weight Conditioning); :data:`NO_LEAF` for a layer it leaves alone."""
+    # the fields nn.Module keeps, read directly: this runs for every layer every step, and ``module.weight`` goes
+    # through nn.Module.__getattr__ (issue 16)
+    weight = module._parameters.get("weight")
+    if weight is not None and "parametrizations" not in module._modules:
+        return weight
     if unsupported(module) is not None:
         return NO_LEAF
     if parametrize.is_parametrized(module, "weight"):
@@ -117,6 +137,17 @@ def weight_leaf(module: nn.Module) -> Tensor:
     if weight is None and _pruned(module, "weight"):
         weight = module._parameters.get("weight_orig")
     return weight if weight is not None else NO_LEAF
+
+
+def tensor_leaf(module: nn.Module, name: str) -> Tensor:
+    """The trainable tensor that stands for ``module.<name>``: :func:`weight_leaf` for ``weight``; for another name
+    ``parametrizations.<name>.original`` under ``torch.nn.utils.parametrize``, else the attribute itself."""
+    if name == "weight":
+        return weight_leaf(module)
+    parametrizations = module._modules.get("parametrizations")
+    if isinstance(parametrizations, nn.ModuleDict) and name in parametrizations:
+        return parametrizations[name].original  # type: ignore[return-value]
+    return getattr(module, name)
 
 
 def bias_leaf(module: nn.Module) -> Tensor | None:

@@ -1,4 +1,4 @@
-"""Which layers BNP manages: module types, name patterns, trainable weights."""
+"""Which layers BNP and Weight Conditioning manage: the layer types (one list), name patterns."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_bnp.core.validation import check_patterns, check_str_list
 
-__all__ = ["SUPPORTED_LAYER_TYPES", "filter_by_name", "select_layers", "validate_layer_types"]
+__all__ = ["DEFAULT_LAYER_TYPES", "SUPPORTED_LAYER_TYPES", "filter_by_name", "select_layers", "validate_layer_types"]
 
 SUPPORTED_LAYER_TYPES: dict[str, type[nn.Module]] = {
     "Linear": nn.Linear,
@@ -17,6 +17,8 @@ SUPPORTED_LAYER_TYPES: dict[str, type[nn.Module]] = {
     "Conv2d": nn.Conv2d,
     "Conv3d": nn.Conv3d,
 }
+#: the ``layer_types`` of BNP and Weight Conditioning when none are given: every type above
+DEFAULT_LAYER_TYPES: tuple[str, ...] = tuple(SUPPORTED_LAYER_TYPES)
 
 
 def validate_layer_types(layer_types: Sequence[str] | str, supported: Collection[str] | None = None) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_bnp.core.bounded_cache import BoundedCache
 from lightning_bnp.core.gradients import bias_grad, weight_grad, whole_bias_grad
 from lightning_bnp.core.layers import NO_LEAF, ManagedLayer, StepTransform
 from lightning_bnp.core.pending import PendingUpdate
@@ -60,13 +61,13 @@ class PreconditionerStep:
         self.sync_statistics, self.process_group = sync_statistics, process_group
         self.decay_offset = decay_offset
         self.warnings = warnings
-        self.plans: dict[tuple[Any, ...], StepPlan] = {}
+        self.plans: BoundedCache[tuple[Any, ...], StepPlan] = BoundedCache(_MAX_PLANS)
         self.math: Callable[..., Any] = step_math  # step_math, or its compiled copy (compile)
         self.compile_options: dict[str, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # a compiled function does not copy (a copy compiles its own step), and plans are rebuilt
-        return {**self.__dict__, "plans": {}, "math": step_math}
+        return {**self.__dict__, "plans": BoundedCache(_MAX_PLANS), "math": step_math}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -156,12 +157,7 @@ class PreconditionerStep:
     def plan(self, layers: list[ManagedLayer], like: Tensor) -> StepPlan:
         """The plan of ``layers`` (statistics on ``like``'s device and dtype), built once."""
         key = (tuple(layer.name for layer in layers), like.device, like.dtype)
-        plan = self.plans.get(key)
-        if plan is None:
-            if len(self.plans) >= _MAX_PLANS:
-                self.plans.pop(next(iter(self.plans)))
-            plan = self.plans[key] = StepPlan(layers, like.device, like.dtype, self.decay_offset)
-        return plan
+        return self.plans.get_or_make(key, lambda: StepPlan(layers, like.device, like.dtype, self.decay_offset))
 
     def transform(self, ready: list[Ready], pending: PendingUpdate, not_run_here: set[str]) -> None:
         """Steps 2–4 for every layer of ``ready`` at once (one device and dtype): the gathering here, the tensor

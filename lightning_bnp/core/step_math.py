@@ -88,7 +88,7 @@ def step_math(
     # per layer max σ²_H: NaN when a sample was NaN or ±Inf (σ²_H is computed from centred values, so a
     # non-finite μ_H makes it NaN too), +Inf when finite inputs' squares overflow the dtype
     peak = layout.segment_max(var_h)
-    var_h.clamp_(max=layout.ceiling)  # an overflowed σ²_H saturates (the warning says so): sigma2_ceiling
+    var_h.clamp_(max=layout.ceiling)  # an overflowed σ²_H saturates (the warning says so): variance_ceiling
     if not config.running:
         mu, var_t = mu_h, var_tilde(var_h, config.eps1, config.eps2, maxima=layout.layer_max(var_h))
         after = steps = peak

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_bnp.core.layers import BNPWarning, ManagedLayer
-from lightning_bnp.core.layout import sigma2_ceiling
+from lightning_bnp.core.layout import variance_ceiling
 from lightning_bnp.core.stack import user_stacklevel
 
 __all__ = ["StepWarnings"]
@@ -114,7 +114,7 @@ class StepWarnings:
                     self.warn(layer, "non-finite", NON_FINITE if self.running else NON_FINITE_BATCH)
                 elif math.isinf(peak):
                     root, name = math.sqrt(torch.finfo(host.dtype).max), str(host.dtype).removeprefix("torch.")
-                    message = OVERFLOW.format(dtype=name, root=root, ceiling=sigma2_ceiling(host.dtype))
+                    message = OVERFLOW.format(dtype=name, root=root, ceiling=variance_ceiling(host.dtype))
                     self.warn(layer, "overflow", message)
 
     def flush(self) -> None:

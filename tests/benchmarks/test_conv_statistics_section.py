@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from benchmarks.reproduce.conv_statistics import HEADER, splice, unfold_moments
-from lightning_bnp.core.statistics import column_moments_of_input
+from lightning_bnp.core.moments import column_moments_of_input
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = "# Report\n\n## 5. Before\n\ntext\n\n---\nTraining runs: 3.\n"

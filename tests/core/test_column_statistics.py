@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lightning_bnp.core import BNPPreconditioner
-from lightning_bnp.core.statistics import column_moments_of_input, moments_of_input
+from lightning_bnp.core.moments import column_moments_of_input, moments_of_input
 from lightning_bnp.core.transform import precondition_
 
 RHO, EPS1, EPS2 = 0.9, 1e-2, 1e-4

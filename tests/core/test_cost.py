@@ -12,18 +12,18 @@ from torch import Tensor, nn
 from benchmarks.op_count import added_cost, profile_cost, standard_models
 from lightning_bnp.core import BNPPreconditioner
 from lightning_bnp.core.layout import FeatureLayout
-from lightning_bnp.core.statistics import moments_of_input
+from lightning_bnp.core.moments import moments_of_input
 from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
 
 
 @pytest.mark.parametrize("name", list(standard_models()))
 def test_bnp_adds_no_host_read_and_at_most_five_calls_per_layer_plus_thirteen(name: str) -> None:
-    """Counted as a GPU's host pays them (``benchmarks.op_count``: the profiler sees nested calls; a foreach call
-    that falls back counts per tensor): no read back to the host, and per managed layer the statistics of each
+    """Counted as a GPU's host pays them (``benchmarks.op_count``: the profiler sees nested calls; a foreach call that
+    falls back counts per tensor): no read back to the host, and per managed layer the statistics of each
     forward call (on the CPU two calls for a Linear: ``batch_norm_update_stats`` and the exact ``mean(0)``; one
     ``var_mean`` on CUDA; one for a convolution) and the transform's three calls (G_w − μ·G_b, ÷ q²σ̃², the bias
-    update; fewer for a bias-free layer or a q, k, v run), plus the step's 13 calls for all layers. L counts each q/k/v block: the encoder has
-    13 layers, the benchmark ViT 14, the char-LM 13."""
+    update; fewer for a bias-free layer or a q, k, v run), plus the step's 13 calls for all layers. L counts
+    each q/k/v block: the encoder has 13 layers, the benchmark ViT 14, the char-LM 13."""
     make, x, y = standard_models()[name]
     added, layers = added_cost(make, x, y)
     assert added.host_reads == 0, added.by_name
@@ -220,7 +220,7 @@ def test_var_mean_statistics_equal_the_fused_kernel(
     h = torch.randn(*shape, dtype=torch.float64) * 3 + 2
     out = layer.double()(h)
     fused = moments_of_input(layer, h, out)
-    monkeypatch.setattr("lightning_bnp.core.statistics._FUSED_KERNEL_DEVICES", ())  # the var_mean form
+    monkeypatch.setattr("lightning_bnp.core.moments._FUSED_KERNEL_DEVICES", ())  # the var_mean form
     generic = moments_of_input(layer, h, out)
     assert (fused.rows, fused.samples, fused.out_positions) == (generic.rows, generic.samples, generic.out_positions)
     torch.testing.assert_close(generic.mean, fused.mean, rtol=1e-12, atol=1e-12)

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from lightning_bnp.core import BNPPreconditioner
 from lightning_bnp.core.layers import BNPWarning
-from lightning_bnp.core.statistics import Moments, token_moments
+from lightning_bnp.core.moments import token_moments
+from lightning_bnp.core.statistics import Moments
 
 V, D, C = 11, 6, 3
 PAD = 2

@@ -14,8 +14,9 @@ from torch import Tensor, nn
 
 from lightning_bnp import BNPPreconditioner, LayerKind, register_layer_kind
 from lightning_bnp.core.kinds import ConvNdKind, layer_kinds, unregister_layer_kind
+from lightning_bnp.core.moments import feature_moments, masked_feature_moments
 from lightning_bnp.core.preconditioner import BNPWarning
-from lightning_bnp.core.statistics import Moments, feature_moments, masked_feature_moments
+from lightning_bnp.core.statistics import Moments
 from tests.helpers import spy_moments
 from tests.transposed import TransposedLinear, as_linear_parameters, transposed
 

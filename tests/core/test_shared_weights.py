@@ -14,6 +14,8 @@ from torch import Tensor, nn
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
 from lightning_bnp.core.kinds import layer_kinds
 from lightning_bnp.core.layers import make_layers
+from lightning_bnp.core.model_scan import scan_model
+from lightning_bnp.core.selection import DEFAULT_LAYER_TYPES
 from tests.transposed import TransposedLinear
 
 D = 4
@@ -96,7 +98,10 @@ def test_make_layers_defaults_to_per_channel_statistics_without_a_decay_offset_o
     model = nn.Sequential(nn.Conv2d(3, 2, 5), nn.Flatten(), nn.Linear(2, 1)).to(meta)
     kinds = layer_kinds()
     layers = make_layers(
-        model, {"0": (model[0], kinds["Conv2d"]), "2": (model[2], kinds["Linear"])}, rho=0.9, bias_correction=True
+        scan_model(model, DEFAULT_LAYER_TYPES),
+        {"0": (model[0], kinds["Conv2d"]), "2": (model[2], kinds["Linear"])},
+        rho=0.9,
+        bias_correction=True,
     )
     assert [layer.features for layer in layers.values()] == [3, 2]
     for layer in layers.values():
@@ -104,9 +109,12 @@ def test_make_layers_defaults_to_per_channel_statistics_without_a_decay_offset_o
         assert layer.running.mean_acc.device == layer.running.var_acc.device == layer.running.decay.device == meta
     assert (
         float(
-            make_layers(nn.Linear(2, 1), {"": (nn.Linear(2, 1), kinds["Linear"])}, rho=0.9, bias_correction=False)[
-                ""
-            ].running.decay.to("cpu")
+            make_layers(
+                scan_model(nn.Linear(2, 1), DEFAULT_LAYER_TYPES),
+                {"": (nn.Linear(2, 1), kinds["Linear"])},
+                rho=0.9,
+                bias_correction=False,
+            )[""].running.decay.to("cpu")
         )
         == 1.0
     )  # ρ^0 + 0

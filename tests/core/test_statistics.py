@@ -9,16 +9,26 @@ import torch
 from torch import nn
 
 from lightning_bnp.core import BNPPreconditioner
-from lightning_bnp.core.statistics import (
-    Moments,
-    RunningStatistics,
+from lightning_bnp.core.moments import (
     column_moments_of_input,
     feature_moments,
     masked_feature_moments,
     moments_of_input,
     token_moments,
 )
+from lightning_bnp.core.statistics import Moments, RunningStatistics, ema_update
 from tests.host_reads import HostReads
+
+
+def _update(stats: RunningStatistics, mu_h: torch.Tensor, var_h: torch.Tensor) -> None:
+    """One running update as a step commits it (``preconditioner._step_math`` and ``PendingUpdate``): the state
+    [m ; v ; d] moved towards [μ_H ; σ²_H ; κ] by :func:`ema_update`, then :meth:`RunningStatistics.assign` with
+    t + 1 and d = ρ^t + κ as (1,) tensors."""
+    n = stats.mean_acc.numel()
+    state = torch.cat([stats.mean_acc, stats.var_acc, stats.decay])
+    batch = torch.cat([mu_h, var_h, torch.tensor([stats.decay_offset], dtype=stats.decay.dtype)])
+    after = ema_update(state, batch.to(state.dtype), stats.rho)
+    stats.assign(after[:n], after[n : 2 * n], torch.tensor([stats.steps + 1]), after[2 * n :])
 
 
 def test_linear_pools_all_leading_dimensions() -> None:
@@ -66,7 +76,7 @@ def test_statistics_are_float32_for_half_inputs() -> None:
     layer = nn.Linear(4, 2)
     h = torch.randn(8, 4).to(torch.bfloat16)
     m = moments_of_input(layer, h, torch.empty(8, 2))
-    assert m.mean.dtype == torch.float32 and m.m2.dtype == torch.float32
+    assert m.mean.dtype == torch.float32 and m.var.dtype == torch.float32
 
 
 def test_chan_merge_equals_pooled_and_is_stable_when_mean_dominates() -> None:
@@ -116,7 +126,7 @@ def test_pack_round_trip() -> None:
     back = Moments.unpack(m.pack(), 4, torch.float32)
     assert (back.rows, back.samples, back.out_positions) == (7, 3, 12)
     torch.testing.assert_close(back.mean, m.mean)
-    torch.testing.assert_close(back.m2, m.m2)
+    torch.testing.assert_close(back.var, m.var)
 
 
 def test_empty_moments_are_zeros_of_the_given_dtype_and_merge_as_the_identity() -> None:
@@ -182,7 +192,7 @@ def test_data_view_is_the_bias_corrected_average_whichever_view_p_uses(bias_corr
         (torch.tensor([3.0, 0.0]), torch.tensor([2.5, 1.0])),
     ]
     for mu_h, var_h in batches:
-        stats.assign(*stats.updated(mu_h, var_h))
+        _update(stats, mu_h, var_h)
     # Σ (1 − ρ) ρ^(t−k) x_k / (1 − ρ^t): the weights 0.09 and 0.1 of the two batches, normalised
     weights = torch.tensor([rho * (1 - rho), 1 - rho]) / (1 - rho**2)
     mu, var = stats.data_view()
@@ -198,7 +208,7 @@ def test_running_paper_view_is_the_recurrence_from_mu0_var1() -> None:
     torch.testing.assert_close(stats.var, var.float())
     for step in range(5):
         mu_h, var_h = torch.tensor([step, -2.0 * step]), torch.tensor([0.5 + step, 3.0])
-        stats.assign(*stats.updated(mu_h, var_h))
+        _update(stats, mu_h, var_h)
         mu = rho * mu + (1 - rho) * mu_h.double()  # Alg. 2 step 2
         var = rho * var + (1 - rho) * var_h.double()
         torch.testing.assert_close(stats.mu.double(), mu, rtol=1e-6, atol=1e-6)
@@ -208,11 +218,11 @@ def test_running_paper_view_is_the_recurrence_from_mu0_var1() -> None:
 def test_running_bias_corrected_view_divides_by_one_minus_rho_t() -> None:
     rho = 0.99
     stats = RunningStatistics(1, rho=rho, bias_correction=True, device=torch.device("cpu"))
-    stats.assign(*stats.updated(torch.tensor([2.0]), torch.tensor([5.0])))
+    _update(stats, torch.tensor([2.0]), torch.tensor([5.0]))
     # one step: the bias-corrected averages are exactly the batch statistics
     torch.testing.assert_close(stats.mu, torch.tensor([2.0]))
     torch.testing.assert_close(stats.var, torch.tensor([5.0]))
-    stats.assign(*stats.updated(torch.tensor([4.0]), torch.tensor([1.0])))
+    _update(stats, torch.tensor([4.0]), torch.tensor([1.0]))
     w = (1 - rho) / (1 - rho**2)  # weight of the newest batch after two steps
     torch.testing.assert_close(stats.mu, torch.tensor([w * 4.0 + (1 - w) * 2.0]))
     torch.testing.assert_close(stats.var, torch.tensor([w * 1.0 + (1 - w) * 5.0]))
@@ -220,7 +230,7 @@ def test_running_bias_corrected_view_divides_by_one_minus_rho_t() -> None:
 
 def test_running_state_dict_round_trip_and_shape_check() -> None:
     a = RunningStatistics(3, rho=0.99, bias_correction=True, device=torch.device("cpu"))
-    a.assign(*a.updated(torch.ones(3), torch.full((3,), 2.0)))
+    _update(a, torch.ones(3), torch.full((3,), 2.0))
     b = RunningStatistics(3, rho=0.99, bias_correction=True, device=torch.device("cpu"))
     b.load_state_dict(a.state_dict())
     assert b.steps == 1
@@ -241,7 +251,7 @@ def test_decay_offset_is_carried_by_the_state_and_converted_when_the_settings_di
     pre.detach()
     a = RunningStatistics(2, rho=rho, bias_correction=False, device=cpu, decay_offset=0.2)
     for _ in range(3):
-        a.assign(*a.updated(torch.ones(2), torch.ones(2)))
+        _update(a, torch.ones(2), torch.ones(2))
     torch.testing.assert_close(a.decay, torch.tensor([rho**3 + 0.2]))
     saved = a.state_dict()
     assert saved["decay_offset"] == 0.2
@@ -402,7 +412,7 @@ def test_device_mu_divides_by_one_minus_rho_t_whatever_the_decay_offset() -> Non
     assert torch.equal(stats.device_mu(), torch.zeros(2))
     m = torch.zeros(2, dtype=torch.float64)
     for t, mu_h in enumerate((torch.tensor([2.0, -1.0]), torch.tensor([4.0, 3.0])), start=1):
-        m_new, v_new, _ = stats.updated(mu_h, torch.ones(2))
+        m_new, v_new = ema_update(stats.mean_acc, mu_h, rho), ema_update(stats.var_acc, torch.ones(2), rho)
         decay = stats.decay * rho + (1 - rho) * 0.2
         stats.assign(m_new, v_new, torch.tensor([t]), decay)
         m = rho * m + (1 - rho) * mu_h.double()
@@ -413,7 +423,7 @@ def test_a_state_loads_in_the_dtype_and_on_the_device_of_the_statistics() -> Non
     """``load_state_dict`` casts a float32 state to float64 statistics (and back) and puts ρ^t + κ where the
     accumulators are (``meta`` here)."""
     saved = RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu"))
-    saved.assign(*saved.updated(torch.tensor([1.0, 2.0, 3.0]), torch.ones(3)))
+    _update(saved, torch.tensor([1.0, 2.0, 3.0]), torch.ones(3))
     wide = RunningStatistics(3, rho=0.9, bias_correction=False, device=torch.device("cpu"), dtype=torch.float64)
     wide.load_state_dict(saved.state_dict())
     for tensor in (wide.mean_acc, wide.var_acc, wide.decay):
