@@ -11,7 +11,8 @@ and count at the forward (README "torch.compile").
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -62,6 +63,15 @@ class StatisticsCollection:
     @property
     def attached(self) -> bool:
         return bool(self.handles)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forward passes inside this context do not contribute statistics."""
+        previous, self.collecting = self.collecting, False
+        try:
+            yield
+        finally:
+            self.collecting = previous
 
     def attach(self) -> None:
         """Register the forward hooks (idempotent).

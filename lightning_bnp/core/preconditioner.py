@@ -49,8 +49,8 @@ their bias too (or both have none), since P couples a weight with its bias (eq. 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 from torch import Tensor, nn
@@ -59,12 +59,10 @@ from torch.optim import Optimizer
 from lightning_bnp.core import checkpoint
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.collection import StatisticsCollection
-from lightning_bnp.core.coverage import Coverage, coverage
-from lightning_bnp.core.kinds import EMBEDDING, layer_kinds, select_layer_kinds
-from lightning_bnp.core.layers import BNPWarning, ManagedLayer, StepTransform, make_layers
-from lightning_bnp.core.model_scan import scan_model
+from lightning_bnp.core.kinds import layer_kinds
+from lightning_bnp.core.layer_setup import manage_layers
+from lightning_bnp.core.layers import BNPWarning, ManagedLayer, StepTransform
 from lightning_bnp.core.pending import OptimizerCommits, PendingUpdate
-from lightning_bnp.core.reparametrization import manageable
 from lightning_bnp.core.selection import DEFAULT_LAYER_TYPES, validate_layer_types
 from lightning_bnp.core.step import PreconditionerStep
 from lightning_bnp.core.step_warnings import StepWarnings
@@ -83,6 +81,8 @@ __all__ = [
 
 StatisticsMode = Literal["running", "batch"]
 ConvStatistics = Literal["channel", "column"]
+# the settings that shape the running statistics and P (checkpoint.hyperparameters)
+_SAVED_SETTINGS = ("rho", "eps1", "eps2", "statistics", "bias_correction", "conv_statistics")
 
 
 def validate_bnp_arguments(
@@ -191,45 +191,21 @@ class BNPPreconditioner(ArgumentsRepr):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
-        layer_types, include, exclude = validate_bnp_arguments(
-            rho,
-            eps1,
-            eps2,
-            statistics,
-            bias_correction=bias_correction,
-            layer_types=layer_types,
-            include=include,
-            exclude=exclude,
-            sync_statistics=sync_statistics,
-            conv_statistics=conv_statistics,
-            embeddings=embeddings,
-        )
-        self.rho, self.eps1, self.eps2 = rho, eps1, eps2
-        self.embeddings = embeddings
-        self.conv_statistics = conv_statistics
-        self.layer_types, self.include, self.exclude = layer_types, include, exclude
-        self.statistics = statistics
-        self.bias_correction = bias_correction
-        self.sync_statistics = sync_statistics
-        self.process_group = process_group
-        if embeddings and EMBEDDING not in layer_types:
-            layer_types = [*layer_types, EMBEDDING]
-        scan = scan_model(model, layer_types)  # the model read once: kinds and claims, for all three below
-        chosen = select_layer_kinds(scan, include, exclude)
-        kept = manageable({name: module for name, (module, _) in chosen.items()}, BNPWarning)
-        selected = {name: chosen[name] for name in kept}
+        checked = validate_bnp_arguments(
+            rho, eps1, eps2, statistics, bias_correction=bias_correction, layer_types=layer_types, include=include,
+            exclude=exclude, sync_statistics=sync_statistics, conv_statistics=conv_statistics, embeddings=embeddings,
+        )  # fmt: skip
+        self.layer_types, self.include, self.exclude = checked
+        self.rho, self.eps1, self.eps2, self.statistics = rho, eps1, eps2, statistics
+        self.bias_correction, self.conv_statistics, self.embeddings = bias_correction, conv_statistics, embeddings
+        self.sync_statistics, self.process_group = sync_statistics, process_group
         # the paper's view folds ε2 into the running ρ^t: decay = ρ^t + ε2/(1 + ε1) (step_math's σ̃² floor)
         self._decay_offset = 0.0 if bias_correction else eps2 / (1.0 + eps1)
-        self.layers: dict[str, ManagedLayer] = make_layers(
-            scan,
-            selected,
-            rho=rho,
-            bias_correction=bias_correction,
-            conv_statistics=conv_statistics,
-            decay_offset=self._decay_offset,
-        )
+        self.layers, self.coverage = manage_layers(
+            model, *checked, embeddings=embeddings, rho=rho, bias_correction=bias_correction,
+            conv_statistics=conv_statistics, decay_offset=self._decay_offset,
+        )  # fmt: skip
         self._layer_list = list(self.layers.values())
-        self.coverage: Coverage = coverage(scan, self._layer_list, include, exclude)
         self._build_parts()
         self.attach()
 
@@ -240,16 +216,10 @@ class BNPPreconditioner(ArgumentsRepr):
         self._collection = StatisticsCollection(self._layer_list, self._masks)
         self._commits = OptimizerCommits()
         self._step = PreconditionerStep(
-            rho=self.rho,
-            eps1=self.eps1,
-            eps2=self.eps2,
-            statistics=self.statistics,
-            bias_correction=self.bias_correction,
-            sync_statistics=self.sync_statistics,
-            process_group=self.process_group,
-            decay_offset=self._decay_offset,
-            warnings=self._warnings,
-        )
+            rho=self.rho, eps1=self.eps1, eps2=self.eps2, statistics=self.statistics,
+            bias_correction=self.bias_correction, sync_statistics=self.sync_statistics,
+            process_group=self.process_group, decay_offset=self._decay_offset, warnings=self._warnings,
+        )  # fmt: skip
 
     _repr_skip = ("model",)
     _repr_if_set = ("conv_statistics", "embeddings")
@@ -332,17 +302,13 @@ class BNPPreconditioner(ArgumentsRepr):
         """Whether :meth:`compile_step` has been called: the step's tensor work runs compiled."""
         return self._step.compiled
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> AbstractContextManager[None]:
         """Forward passes inside this context do not contribute statistics."""
-        previous, self._collection.collecting = self._collection.collecting, False
-        try:
-            yield
-        finally:
-            self._collection.collecting = previous
+        return self._collection.paused()
 
-    @contextmanager
-    def token_mask(self, mask: Tensor | None, *, layers: Sequence[str] | str | None = None) -> Iterator[None]:
+    def token_mask(
+        self, mask: Tensor | None, *, layers: Sequence[str] | str | None = None
+    ) -> AbstractContextManager[None]:
         """Forward passes inside this context count only the real tokens of their (B, T, …) inputs: μ, σ² and
         N (so q²) of every managed layer are those of the rows ``mask`` marks, as if the padding were not
         there. The previous mask (or none) is restored on exit; :meth:`set_token_mask` sets one without a
@@ -355,12 +321,7 @@ class BNPPreconditioner(ArgumentsRepr):
             loss.backward()
             pre.step()
         """
-        previous = self._masks.mask, self._masks.applies_to
-        self.set_token_mask(mask, layers=layers)
-        try:
-            yield
-        finally:
-            self._masks.mask, self._masks.applies_to = previous
+        return self._masks.applied(mask, layers=layers)
 
     def set_token_mask(self, mask: Tensor | None, *, layers: Sequence[str] | str | None = None) -> None:
         """Count only the real tokens in the forward passes from now on (until the next call; ``None``: every
@@ -461,14 +422,7 @@ class BNPPreconditioner(ArgumentsRepr):
         checkpoint.load_state_dict(self.layers, state, self._settings())
 
     def _settings(self) -> dict[str, Any]:
-        return {
-            "rho": self.rho,
-            "eps1": self.eps1,
-            "eps2": self.eps2,
-            "statistics": self.statistics,
-            "bias_correction": self.bias_correction,
-            "conv_statistics": self.conv_statistics,
-        }
+        return {name: getattr(self, name) for name in _SAVED_SETTINGS}
 
 
 def _parameters(optimizer: Optimizer) -> list[Tensor]:

@@ -4,7 +4,8 @@ a jagged nested tensor's real rows count without a mask."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -81,6 +82,16 @@ class TokenMasks:
             if chosen is None:
                 chosen = self._chosen[tuple(patterns)] = self._layers_matching(patterns)
         self.mask, self.applies_to = mask, chosen
+
+    @contextmanager
+    def applied(self, mask: Tensor | None, *, layers: Sequence[str] | str | None = None) -> Iterator[None]:
+        """:meth:`set` for the forward calls inside the context; the previous mask (or none) is restored on exit."""
+        previous = self.mask, self.applies_to
+        self.set(mask, layers=layers)
+        try:
+            yield
+        finally:
+            self.mask, self.applies_to = previous
 
     def _layers_matching(self, patterns: list[str]) -> frozenset[str]:
         chosen: set[str] = set()
