@@ -53,6 +53,17 @@ class Moments:
     mean: Tensor
     var: Tensor
 
+    @property
+    def counted_on_device(self) -> bool:
+        """Whether the counts are device tensors, never read by the host: statistics pooled over ranks
+        (:meth:`unpack`) or of the real tokens under a token mask (``moments.masked_feature_moments``,
+        ``moments.token_moments``). The step then builds q² on the device."""
+        return isinstance(self.rows, Tensor)
+
+    def is_empty(self) -> bool:
+        """Whether a part with host counts holds no row (one counted on the device is never known to be empty)."""
+        return not isinstance(self.rows, Tensor) and self.rows == 0
+
     def merge(self, other: Moments) -> Moments:
         """Combine two disjoint parts (Chan, Golub & LeVeque pairwise update).
 

@@ -118,9 +118,7 @@ class PreconditionerStep:
                 active.append(layer)
                 grads.append(grad)
         local = local_moments(active)
-        not_run_here = {
-            layer.name for layer, m in zip(active, local) if isinstance(m.rows, int) and m.rows == 0
-        }  # (an int: local)
+        not_run_here = {layer.name for layer, m in zip(active, local) if m.is_empty()}
         pooled = pool_over_ranks(active, local, self.process_group) if self.pools else local
         for layer in layers:
             layer.moments = None
@@ -129,7 +127,7 @@ class PreconditionerStep:
         groups: dict[tuple[torch.device, torch.dtype], list[Ready]] = {}
         for layer, m, grad in zip(active, pooled, grads):
             # pooled over ranks, the count is on the device: a layer no rank ran gets M = I there
-            if isinstance(m.rows, Tensor) or m.rows > 0:  # one flat layout per device and dtype (usually one)
+            if not m.is_empty():  # one flat layout per device and dtype (usually one)
                 groups.setdefault((m.mean.device, m.mean.dtype), []).append((layer, m, grad))
             if layer.name in not_run_here:
                 self.warnings.warn(layer, "never ran", NEVER_RAN)
@@ -166,8 +164,8 @@ class PreconditionerStep:
         plan = self.plan([layer for layer, _, _ in ready], moments[0].mean)
         layout, running = plan.layout, self.running
         # pooled over ranks or token-masked: the counts are device tensors, and q² is built on the device
-        counts_on_device = any(isinstance(m.rows, Tensor) for m in moments)
-        single = tuple(i for i, m in enumerate(moments) if not isinstance(m.rows, Tensor) and m.rows == 1)
+        counts_on_device = any(m.counted_on_device for m in moments)
+        single = tuple(i for i, m in enumerate(moments) if not m.counted_on_device and m.rows == 1)
         if single and not running:
             raise ValueError(
                 f"statistics='batch' needs more than one row of input per step, but layer "

@@ -433,3 +433,18 @@ def test_a_state_loads_in_the_dtype_and_on_the_device_of_the_statistics() -> Non
     on_meta = RunningStatistics(3, rho=0.9, bias_correction=False, device=meta)
     on_meta.load_state_dict(saved.state_dict())
     assert on_meta.decay.device == on_meta.mean_acc.device == meta
+
+
+def test_counts_on_the_device_are_named_for_pooled_and_masked_parts_and_never_empty() -> None:
+    """A part unpacked from a collective (pooled over ranks) and one of a token mask's real rows keep their counts
+    on the device (``counted_on_device``) and are never called empty, even with no row; a part with host counts is
+    empty exactly when it holds no row."""
+    from lightning_bnp.core.moments import masked_feature_moments
+
+    host = Moments(3, 3, 3, torch.zeros(2), torch.ones(2))
+    pooled = Moments.unpack(host.pack(), 2, torch.float32)
+    masked = masked_feature_moments(torch.randn(2, 4, 2), torch.zeros(2, 4, dtype=torch.bool))
+    assert [m.counted_on_device for m in (host, pooled, masked)] == [False, True, True]
+    assert [m.is_empty() for m in (host, pooled, masked, Moments.empty(2, torch.device("cpu")))] == [
+        False, False, False, True,
+    ]  # fmt: skip
