@@ -62,7 +62,7 @@ from lightning_bnp.core.collection import StatisticsCollection
 from lightning_bnp.core.coverage import Coverage, coverage
 from lightning_bnp.core.kinds import EMBEDDING, layer_kinds, select_layer_kinds
 from lightning_bnp.core.layers import BNPWarning, ManagedLayer, StepTransform, make_layers
-from lightning_bnp.core.pending import OptimizerCommits, PendingUpdate
+from lightning_bnp.core.pending import OptimizerCommits, PendingUpdate, unwrap_optimizer
 from lightning_bnp.core.reparametrization import manageable
 from lightning_bnp.core.selection import validate_layer_types
 from lightning_bnp.core.step import PreconditionerStep
@@ -396,10 +396,14 @@ class BNPPreconditioner(ArgumentsRepr):
         Given an optimizer, the layers in its parameter groups are transformed and the statistics
         are stored only when ``optimizer.step()`` really runs (from its step post-hook): a step that
         ``torch.amp.GradScaler`` skips for non-finite gradients leaves them untouched, as the
-        Lightning callback does. Call it after ``scaler.unscale_(optimizer)``.
+        Lightning callback does. Call it after ``scaler.unscale_(optimizer)``. The optimizer may be wrapped:
+        Lightning's ``self.optimizers()`` in manual optimization, Fabric's from ``fabric.setup`` (the optimizer
+        inside is the one that steps: :func:`~lightning_bnp.core.pending.unwrap_optimizer`), and it may be a new one
+        at every step.
         """
         if isinstance(params, Optimizer):
-            self._commits.defer(params, self.precondition(_parameters(params), commit=False))
+            optimizer = unwrap_optimizer(params)
+            self._commits.defer(optimizer, self.precondition(_parameters(optimizer), commit=False))
         else:
             self.precondition(params, commit=True)
 
