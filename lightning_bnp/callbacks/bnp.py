@@ -355,8 +355,11 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no `teardown` after an exception: detach here, so that the crashed fit's statistics are
+        # dropped and the next fit (with this callback or another) attaches afresh
         if self.preconditioner is not None:
             self.preconditioner.set_token_mask(None)
+        self.teardown(trainer, pl_module, "fit")
 
     # ------------------------------------------------------------------- step
     @override
