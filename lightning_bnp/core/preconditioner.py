@@ -60,6 +60,7 @@ from lightning_bnp.core import checkpoint
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.collection import StatisticsCollection
 from lightning_bnp.core.coverage import Coverage, coverage
+from lightning_bnp.core.dual_use import count_both_uses
 from lightning_bnp.core.kinds import EMBEDDING, layer_kinds, select_layer_kinds
 from lightning_bnp.core.layers import BNPWarning, ManagedLayer, StepTransform, make_layers
 from lightning_bnp.core.pending import OptimizerCommits, PendingUpdate, unwrap_optimizer
@@ -214,7 +215,8 @@ class BNPPreconditioner(ArgumentsRepr):
         self.process_group = process_group
         if embeddings and EMBEDDING not in layer_types:
             layer_types = [*layer_types, EMBEDDING]
-        chosen = select_layer_kinds(model, layer_types, include, exclude)
+        # a Linear its parent both calls and uses through F.linear: both inputs count (core/dual_use.py)
+        chosen = count_both_uses(model, select_layer_kinds(model, layer_types, include, exclude))
         kept = manageable({name: module for name, (module, _) in chosen.items()}, BNPWarning)
         selected = {name: chosen[name] for name in kept}
         # the paper's view folds ε2 into the running ρ^t: decay = ρ^t + ε2/(1 + ε1) (step_math's σ̃² floor)
