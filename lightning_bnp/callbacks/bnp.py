@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bnp.callbacks._manual import PreconditionBeforeClipping
 from lightning_bnp.callbacks._strategy import holds_full_replica, shards_rows, spawns_workers, tensor_parallel_size
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import (
@@ -176,6 +177,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         self._state_restored = False  # whether this fit's checkpoint held BNP state
         self._attached_this_fit = False  # `_attach` ran since this fit's `setup`
         self.regularizer: StepRegularizer | None = None  # set by ZSpaceRegularization.setup
+        self._clipping = PreconditionBeforeClipping(self._precondition)  # manual optimization (callbacks/_manual.py)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -251,6 +253,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(pl_module)
         assert self.preconditioner is not None
+        self._clipping.install(pl_module)
         owners: dict[int, int] = {}
         for index, optimizer in enumerate(trainer.optimizers):
             if isinstance(optimizer, torch.optim.LBFGS):
@@ -324,6 +327,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._clipping.new_batch()
         if self.token_mask is None or self.preconditioner is None:
             return
         self.preconditioner.set_token_mask(self._mask_of(batch), layers=self.token_mask_layers)
@@ -366,6 +370,11 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
+        if not self._clipping.ran_early(optimizer):  # (manual optimization: at `self.clip_gradients`)
+            self._precondition(trainer, pl_module, optimizer)
+
+    def _precondition(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+        """BNP's step for the layers ``optimizer`` owns, with the regularizer's terms around it."""
         assert self.preconditioner is not None
         if self.compile_step and not self.preconditioner.step_compiled:
             self.preconditioner.compile_step()
@@ -382,6 +391,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             return
         if self.preconditioner is not None:
             self.preconditioner.detach()
+        self._clipping.remove()
         self._attached_this_fit = False
 
     # ------------------------------------------------------------------ state
