@@ -8,7 +8,9 @@ When. Lightning calls ``on_after_backward`` after every backward (once per micro
 after DDP's all-reduce and after AMP unscaling, and before gradient clipping. The transform
 therefore runs in ``on_before_optimizer_step``, on the layers the stepping optimizer owns
 (several optimizers and manual optimization work the same way). Clipping then acts on the
-preconditioned gradient, which is the one the optimizer uses.
+preconditioned gradient, which is the one the optimizer uses; in manual optimization, where the
+``training_step`` clips before ``opt.step()``, ``self.clip_gradients(opt, …)`` runs BNP's step for
+``opt`` first (``callbacks/_manual.py``). A fit that raises detaches BNP (``on_exception``).
 
 Where. The callback builds the preconditioner at ``setup``, or, when the LightningModule overrides
 ``configure_model`` (which Lightning calls after every callback's ``setup``), at ``on_fit_start``: after
