@@ -54,6 +54,10 @@ class PreconditionBeforeClipping:
         self.early: weakref.ref[Optimizer] | None = None  # the optimizer whose step ran at clipping, before its step
         self.module: pl.LightningModule | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy of the callback (pickle, deepcopy) installs nothing and remembers no optimizer of this process
+        return {**self.__dict__, "early": None, "module": None}
+
     def install(self, pl_module: pl.LightningModule) -> None:
         """On a module with ``automatic_optimization=False``, for this fit (idempotent)."""
         if pl_module.automatic_optimization or isinstance(pl_module.__dict__.get(_ATTRIBUTE), _Clipping):

@@ -182,3 +182,26 @@ def test_fabric_in_float64() -> None:
     # Fabric's "64-true" hands the model's output back in the default dtype (float32): the loss is float32 there
     ref, ref_pre = reference(clip_norm=0.05, dtype=torch.float64, output_dtype=torch.get_default_dtype())
     assert_same(network, pre, ref, ref_pre, **FLOAT64)
+
+
+class CopiesTheCallbackAfterClipping(Manual):
+    """The callback copied between ``clip_gradients`` and ``opt.step()``, while it remembers the optimizer."""
+
+    copies: ClassVar[list[Any]] = []
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.cross_entropy(self.network(x), y))
+        self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        bnp = next(c for c in self.trainer.callbacks if isinstance(c, BatchNormPreconditioning))  # type: ignore[attr-defined]
+        self.copies.extend([copy.deepcopy(bnp), pickle.loads(pickle.dumps(bnp))])
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_copy_of_the_callback_during_fit_installs_nothing(tmp_path: Path) -> None:
+    _fit_manual(tmp_path, CopiesTheCallbackAfterClipping(), steps=1)
+    copies = CopiesTheCallbackAfterClipping.copies
+    assert copies and all(c._clipping.module is None and c._clipping.early is None for c in copies)
