@@ -68,3 +68,36 @@ def test_both_inputs_of_a_linear_called_and_used_through_f_linear_count() -> Non
 def test_a_linear_only_called_stays_a_plain_linear() -> None:
     pre = BNPPreconditioner(nn.Sequential(CallsTwice()))
     assert type(pre.layers["0.lin"].kind).__name__ == "LinearKind"
+
+
+class ReadsForDtype(nn.Module):
+    """Reads ``self.lin.weight`` for its dtype only: one input, the Linear's own hook sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+class PassesOverLines(CallsAndReads):
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.tanh(self.lin(x))
+        return torch.nn.functional.linear(
+            y,
+            self.lin.weight,
+            bias=self.lin.bias,
+        )
+
+
+def test_a_weight_read_for_anything_else_keeps_the_plain_linear() -> None:
+    pre = BNPPreconditioner(nn.Sequential(ReadsForDtype()))
+    assert type(pre.layers["0.lin"].kind).__name__ == "LinearKind"
+
+
+def test_an_f_linear_call_over_several_lines_is_read() -> None:
+    pre = BNPPreconditioner(nn.Sequential(PassesOverLines()))
+    assert isinstance(pre.layers["0.lin"].kind, FunctionalLinearKind)
