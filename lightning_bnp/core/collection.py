@@ -60,15 +60,15 @@ class StatisticsCollection:
         self.handles: list[RemovableHandle] = []
         self.collecting = True  # False inside BNPPreconditioner.paused()
         self.generation = 0  # bumped by detach(): forwards from before it never count
-        # layers whose pending statistics have reached their weight's gradient (its accumulation ran since)
-        self.settled: set[str] = set()
+        # layers whose pending statistics have reached their weight's gradient (its accumulation ran since): the leaf
+        self.settled: dict[str, weakref.ref[Tensor]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # hook handles stay behind (a copy of the model carries no BNP hooks: core/copies.py)
-        return {**self.__dict__, "handles": [], "settled": set()}
+        return {**self.__dict__, "handles": [], "settled": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"settled": set(), **state})  # (pickled before `settled` existed)
+        self.__dict__.update({"settled": {}, **state})  # (pickled before `settled` existed)
 
     @property
     def attached(self) -> bool:
@@ -106,7 +106,8 @@ class StatisticsCollection:
         for layer in self.layers:
             weight = layer.weight
             if isinstance(weight, Tensor) and weight.is_leaf and weight.requires_grad:  # (frozen: nothing to track)
-                self.handles.append(weight.register_post_accumulate_grad_hook(self._settle_when_accumulated(layer)))
+                settle = self._settle_when_accumulated(layer, weight)
+                self.handles.append(weight.register_post_accumulate_grad_hook(settle))
 
     def detach(self) -> None:
         """Remove the hooks; statistics of forwards that ran before this call never count."""
@@ -207,19 +208,26 @@ class StatisticsCollection:
             if counted or generation != self.generation:
                 return
             counted = True
-            if layer.name in self.settled:
-                self.settled.discard(layer.name)
-                if layer.moments is not None and layer.weight.grad is None:  # reset since: a discarded gradient's
-                    layer.moments = None
+            leaf = self.settled.pop(layer.name, None)
+            if (
+                leaf is not None
+                and layer.moments is not None
+                and (weight := leaf()) is not None
+                and weight.grad is None
+            ):
+                layer.moments = None  # the gradient they reached was reset since: a discarded gradient's
             layer.add_moments(part)
 
         return count
 
-    def _settle_when_accumulated(self, layer: ManagedLayer) -> Any:
-        """A post-accumulate-grad hook of the weight: the layer's pending statistics have reached its gradient."""
+    def _settle_when_accumulated(self, layer: ManagedLayer, leaf: Tensor) -> Any:
+        """A post-accumulate-grad hook of the weight ``leaf``: the layer's pending statistics have reached its gradient.
+        Only for ``leaf`` itself: a wrapper that copies the hook to a tensor of its own (FSDP2's unsharded parameter,
+        whose gradient it moves to the sharded one and resets) settles nothing."""
+        ref = weakref.ref(leaf)
 
         def settle(weight: Tensor) -> None:
-            if layer.moments is not None:
-                self.settled.add(layer.name)
+            if layer.moments is not None and weight is ref():
+                self.settled[layer.name] = ref
 
         return settle
