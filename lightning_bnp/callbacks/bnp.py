@@ -8,7 +8,9 @@ When. Lightning calls ``on_after_backward`` after every backward (once per micro
 after DDP's all-reduce and after AMP unscaling, and before gradient clipping. The transform
 therefore runs in ``on_before_optimizer_step``, on the layers the stepping optimizer owns
 (several optimizers and manual optimization work the same way). Clipping then acts on the
-preconditioned gradient, which is the one the optimizer uses.
+preconditioned gradient, which is the one the optimizer uses; in manual optimization, where the
+``training_step`` clips before ``opt.step()``, ``self.clip_gradients(opt, …)`` runs BNP's step for
+``opt`` first (``callbacks/_manual.py``). A fit that raises detaches BNP (``on_exception``).
 
 Where. The callback builds the preconditioner at ``setup``, or, when the LightningModule overrides
 ``configure_model`` (which Lightning calls after every callback's ``setup``), at ``on_fit_start``: after
@@ -40,6 +42,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bnp.callbacks._manual import PreconditionBeforeClipping
 from lightning_bnp.callbacks._strategy import holds_full_replica, shards_rows, spawns_workers, tensor_parallel_size
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import (
@@ -176,6 +179,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         self._state_restored = False  # whether this fit's checkpoint held BNP state
         self._attached_this_fit = False  # `_attach` ran since this fit's `setup`
         self.regularizer: StepRegularizer | None = None  # set by ZSpaceRegularization.setup
+        self._clipping = PreconditionBeforeClipping(self._precondition)  # manual optimization (callbacks/_manual.py)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -251,6 +255,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._attach(pl_module)
         assert self.preconditioner is not None
+        self._clipping.install(pl_module)
         owners: dict[int, int] = {}
         for index, optimizer in enumerate(trainer.optimizers):
             if isinstance(optimizer, torch.optim.LBFGS):
@@ -324,6 +329,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._clipping.new_batch()
         if self.token_mask is None or self.preconditioner is None:
             return
         self.preconditioner.set_token_mask(self._mask_of(batch), layers=self.token_mask_layers)
@@ -355,14 +361,22 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no `teardown` after an exception: detach here, so that the crashed fit's statistics are
+        # dropped and the next fit (with this callback or another) attaches afresh
         if self.preconditioner is not None:
             self.preconditioner.set_token_mask(None)
+        self.teardown(trainer, pl_module, "fit")
 
     # ------------------------------------------------------------------- step
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
+        if not self._clipping.ran_early(optimizer):  # (manual optimization: at `self.clip_gradients`)
+            self._precondition(trainer, pl_module, optimizer)
+
+    def _precondition(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+        """BNP's step for the layers ``optimizer`` owns, with the regularizer's terms around it."""
         assert self.preconditioner is not None
         if self.compile_step and not self.preconditioner.step_compiled:
             self.preconditioner.compile_step()
@@ -379,6 +393,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             return
         if self.preconditioner is not None:
             self.preconditioner.detach()
+        self._clipping.remove()
         self._attached_this_fit = False
 
     # ------------------------------------------------------------------ state

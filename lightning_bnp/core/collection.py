@@ -6,6 +6,13 @@ A forward call's statistics count once the backward pass reaches its output (a p
 node): a forward whose output gets no gradient adds nothing, and the forward that non-reentrant activation
 checkpointing recomputes during the backward is not counted twice. Under ``torch.compile`` the hooks are traced
 and count at the forward (README "torch.compile").
+
+Discarded gradients. Statistics counted belong to the gradient accumulated in the weight's ``.grad``: a hook after
+the weight's gradient accumulation marks a layer's pending statistics as having reached it, and a later count that
+finds ``.grad`` reset to ``None`` (``zero_grad()``, whose default is ``set_to_none=True``) since then drops them
+first — e.g. a GAN's discriminator forward during the generator's step, without ``toggle_optimizer``, whose
+gradient the discriminator's ``zero_grad()`` throws away (issue 37, item 5). Only identity is compared (no tensor
+value, no host read). Not seen: a gradient zeroed in place (``zero_grad(set_to_none=False)``).
 """
 
 from __future__ import annotations
@@ -55,10 +62,15 @@ class StatisticsCollection:
         self.handles: list[RemovableHandle] = []
         self.collecting = True  # False inside BNPPreconditioner.paused()
         self.generation = 0  # bumped by detach(): forwards from before it never count
+        # layers whose pending statistics have reached their weight's gradient (its accumulation ran since): the leaf
+        self.settled: dict[str, weakref.ref[Tensor]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # hook handles stay behind (a copy of the model carries no BNP hooks: core/copies.py)
-        return {**self.__dict__, "handles": []}
+        return {**self.__dict__, "handles": [], "settled": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"settled": {}, **state})  # (pickled before `settled` existed)
 
     @property
     def attached(self) -> bool:
@@ -102,12 +114,18 @@ class StatisticsCollection:
                     self.handles.extend(self._register_calls_hooks(layer, module, shared))
                     continue
                 self.handles.append(register_forward_hook(module, self._make_hook(layer), with_kwargs=True))
+        for layer in self.layers:
+            weight = layer.weight
+            if isinstance(weight, Tensor) and weight.is_leaf and weight.requires_grad:  # (frozen: nothing to track)
+                settle = self._settle_when_accumulated(layer, weight)
+                self.handles.append(weight.register_post_accumulate_grad_hook(settle))
 
     def detach(self) -> None:
         """Remove the hooks; statistics of forwards that ran before this call never count."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.settled.clear()
         self.generation += 1
         for layer in self.layers:
             layer.moments = None
@@ -213,6 +231,26 @@ class StatisticsCollection:
             if counted or generation != self.generation:
                 return
             counted = True
+            leaf = self.settled.pop(layer.name, None)
+            if (
+                leaf is not None
+                and layer.moments is not None
+                and (weight := leaf()) is not None
+                and weight.grad is None
+            ):
+                layer.moments = None  # the gradient they reached was reset since: a discarded gradient's
             layer.add_moments(part)
 
         return count
+
+    def _settle_when_accumulated(self, layer: ManagedLayer, leaf: Tensor) -> Any:
+        """A post-accumulate-grad hook of the weight ``leaf``: the layer's pending statistics have reached its gradient.
+        Only for ``leaf`` itself: a wrapper that copies the hook to a tensor of its own (FSDP2's unsharded parameter,
+        whose gradient it moves to the sharded one and resets) settles nothing."""
+        ref = weakref.ref(leaf)
+
+        def settle(weight: Tensor) -> None:
+            if layer.moments is not None and weight is ref():
+                self.settled[layer.name] = ref
+
+        return settle

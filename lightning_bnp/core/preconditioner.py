@@ -352,15 +352,15 @@ class BNPPreconditioner(ArgumentsRepr):
 
     # ------------------------------------------------------------------- step
     def step(self, params: Iterable[Tensor] | Optimizer | None = None) -> None:
-        """Precondition the gradients of the layers owning ``params`` (all when ``None``) and store
-        the updated running statistics.
+        """Precondition the gradients of the layers owning ``params`` (all when ``None``); store the running statistics.
 
         Given an optimizer, the layers in its parameter groups are transformed and the statistics
         are stored only when ``optimizer.step()`` really runs (from its step post-hook): a step that
         ``torch.amp.GradScaler`` skips for non-finite gradients leaves them untouched, as the
-        Lightning callback does. Call it after ``scaler.unscale_(optimizer)``.
+        Lightning callback does. Call it after ``scaler.unscale_(optimizer)``. The optimizer may be wrapped (Lightning's
+        ``self.optimizers()``, Fabric's ``fabric.setup``) and may be a new one at every step.
         """
-        if isinstance(params, Optimizer):
+        if isinstance(params, Optimizer):  # (its commit follows the wrappers: pending.unwrap_optimizer)
             self._commits.defer(params, self.precondition(_parameters(params), commit=False))
         else:
             self.precondition(params, commit=True)

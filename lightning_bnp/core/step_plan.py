@@ -26,6 +26,18 @@ __all__ = ["StepPlan", "row_block_runs", "row_block_spans"]
 Ready = tuple[ManagedLayer, Moments, Tensor]
 
 
+def _follow(running: RunningStatistics, like: Tensor) -> None:
+    """Move ``running`` to ``like``'s device and dtype. Cast before its first step, its ρ⁰ + κ = 1 + κ is made anew
+    in the new dtype: statistics made while the model was float32 (the callback's, at ``setup``, before Lightning
+    casts the model for ``precision="64-true"``) would otherwise carry a float32 rounding of 1 + κ, ~1e-8 off, into
+    every float64 step (issue 37, item 8). After a step, ρ^t + κ widens as the steps computed it (as a checkpoint of
+    it loads); the accumulators widen exactly."""
+    cast = running.decay.dtype != like.dtype
+    running.to(like.device, like.dtype)
+    if cast and isinstance(running._steps, int) and running._steps == 0:
+        running.steps = 0  # (the setter builds ρ⁰ + κ in the statistics' new dtype)
+
+
 class StepPlan:
     """What a step of ``layers`` needs besides this step's tensors.
 
@@ -69,7 +81,7 @@ class StepPlan:
         ):
             return last[0], last[1]
         for running in runnings:  # the model was moved or cast
-            running.to(like.device, like.dtype)
+            _follow(running, like)
         before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings] + [r.decay for r in runnings])
         steps = torch.cat(
             [

@@ -1,0 +1,102 @@
+"""``pre.step(optimizer)`` with an optimizer that a framework wraps, or one re-created at every step (issue 37,
+items 1 and 2): the running statistics are stored whenever the optimizer inside steps, as with a plain one."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric.wrappers import _FabricOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import nn
+
+from lightning_bnp import BNPPreconditioner
+from lightning_bnp.core.pending import unwrap_optimizer
+from tests.helpers import make_data, make_mlp
+
+STEPS = 4
+
+
+def _batches(batch_size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = make_data().tensors
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+
+
+class _Strategy:
+    """What the wrappers ask of a strategy: the optimizer step itself."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None, **kwargs: Any) -> Any:
+        return optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
+
+
+_STRATEGY = _Strategy()  # LightningOptimizer holds a weak proxy of its strategy
+
+
+def _lightning(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return LightningOptimizer._to_lightning_optimizer(opt, _STRATEGY)  # type: ignore[arg-type]
+
+
+def _fabric(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return _FabricOptimizer(opt, _STRATEGY)  # type: ignore[arg-type,return-value]
+
+
+def _twice(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return _fabric(_lightning(opt))
+
+
+def _run(
+    network: nn.Module, wrap: Any, *, new_optimizer_each_step: bool = False, steps: int = STEPS
+) -> BNPPreconditioner:
+    pre = BNPPreconditioner(network)
+    opt = wrap(torch.optim.SGD(network.parameters(), lr=0.1))
+    for x, y in _batches()[:steps]:
+        if new_optimizer_each_step:
+            del opt
+            gc.collect()  # the previous optimizer is freed: the new one's id() is often the same
+            opt = wrap(torch.optim.SGD(network.parameters(), lr=0.1))
+        opt.zero_grad()
+        nn.functional.cross_entropy(network(x), y).backward()
+        pre.step(opt)
+        opt.step()
+    return pre
+
+
+@pytest.mark.parametrize("wrap", [_lightning, _fabric, _twice], ids=["LightningOptimizer", "Fabric", "both"])
+def test_a_wrapped_optimizer_stores_the_statistics_as_the_plain_one(wrap: Any) -> None:
+    plain_net, wrapped_net = make_mlp(), make_mlp()
+    plain = _run(plain_net, lambda opt: opt)
+    wrapped = _run(wrapped_net, wrap)
+    for name, layer in plain.layers.items():
+        assert wrapped.layers[name].running.steps == layer.running.steps == STEPS
+        torch.testing.assert_close(wrapped.layers[name].running.mu, layer.running.mu, rtol=0, atol=0)
+        torch.testing.assert_close(wrapped.layers[name].running.var, layer.running.var, rtol=0, atol=0)
+    for p, q in zip(wrapped_net.parameters(), plain_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("wrap", [lambda opt: opt, _lightning], ids=["plain", "LightningOptimizer"])
+def test_an_optimizer_made_anew_at_every_step_commits_every_step(wrap: Any) -> None:
+    pre = _run(make_mlp(), wrap, new_optimizer_each_step=True, steps=8)
+    assert [layer.running.steps for layer in pre.layers.values()] == [8] * len(pre.layers)
+
+
+def test_a_freed_optimizer_leaves_no_entry() -> None:
+    network = make_mlp()
+    pre = BNPPreconditioner(network)
+    opt = torch.optim.SGD(network.parameters(), lr=0.1)
+    x, y = _batches()[0]
+    nn.functional.cross_entropy(network(x), y).backward()
+    pre.step(opt)
+    assert pre._commits.pending(opt) is not None
+    del opt
+    gc.collect()
+    assert len(pre._commits.entries) == 0
+
+
+def test_unwrap_optimizer_follows_the_wrappers_to_the_torch_optimizer() -> None:
+    opt = torch.optim.SGD(make_mlp().parameters(), lr=0.1)
+    assert unwrap_optimizer(opt) is opt
+    assert unwrap_optimizer(_lightning(opt)) is opt
+    assert unwrap_optimizer(_twice(opt)) is opt
