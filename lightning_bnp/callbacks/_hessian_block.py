@@ -5,7 +5,15 @@ loss (:class:`._probes.StepLoss`, :func:`lightning_bnp.core.metrics.neuron_hessi
 Pᵀ ∇²_ŵ L P with the P of BNP's latest step. :func:`hessian_metrics` turns both into the monitor's tags:
 
 * ``bnp/hessian_kappa/<layer>/original|preconditioned`` — κ = max|λ| / min nonzero |λ|;
+* ``bnp/hessian_log10_kappa/<layer>/original|preconditioned|gain`` — the same in decades, and log10 of the gain
+  κ original / κ preconditioned (κ spans many decades from record to record, so a linear chart of it shows
+  all but its largest values as 0; in decades every curve is readable and the gain is the gap between two);
+* ``bnp/hessian_kappa_gain/<layer>`` — the gain κ original / κ preconditioned of the same block at the same step,
+  what §5.1 compares with κ(D)²;
 * ``bnp/hessian_min_ratio/<layer>/…`` (λ_min / max|λ|, signed) and ``bnp/hessian_rank/<layer>``.
+
+The log10 and gain tags exist only where their κ are finite, so a block whose κ cannot be computed warns once,
+through its ``hessian_kappa`` tag.
 
 .. math::
     κ(∇^2_{\\hat w} L) = \\frac{\\max|λ|}{\\min_{|λ| > τ \\max|λ|} |λ|}, \\qquad
@@ -14,6 +22,7 @@ Pᵀ ∇²_ŵ L P with the P of BNP's latest step. :func:`hessian_metrics` turns
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -78,13 +87,30 @@ def hessian_metrics(
         metrics[f"bnp/hessian_kappa/{name}/original"] = original.kappa
         metrics[f"bnp/hessian_min_ratio/{name}/original"] = probes.min_ratio(original)
         metrics[f"bnp/hessian_rank/{name}"] = float(original.rank)
+        metrics.update(_readable(name, "original", original.kappa))
         if pre is not None and name in pre.layers:
             p = probes.neuron_p(pre, pre.layers[name], index, centred=key_b is not None).to(h.device)
             conditioned = M.spectrum(p.T @ h.double() @ p, rtol or h.shape[0] * torch.finfo(h.dtype).eps)
             _keep(spectra, f"bnp/hessian_spectrum/{name}/preconditioned", conditioned)
             metrics[f"bnp/hessian_kappa/{name}/preconditioned"] = conditioned.kappa
             metrics[f"bnp/hessian_min_ratio/{name}/preconditioned"] = probes.min_ratio(conditioned)
+            metrics.update(_readable(name, "preconditioned", conditioned.kappa))
+            if _positive(original.kappa) and _positive(conditioned.kappa):
+                metrics[f"bnp/hessian_kappa_gain/{name}"] = original.kappa / conditioned.kappa
+                # the difference of the logs, not log10 of the ratio: the chart's gap between the two curves
+                gain = math.log10(original.kappa) - math.log10(conditioned.kappa)
+                metrics[f"bnp/hessian_log10_kappa/{name}/gain"] = gain
     return metrics, spectra
+
+
+def _positive(kappa: float) -> bool:
+    """A κ whose log is defined (κ ≥ 1 whenever it is finite; inf/NaN for a zero block)."""
+    return math.isfinite(kappa) and kappa > 0
+
+
+def _readable(name: str, variant: str, kappa: float) -> dict[str, float]:
+    """``bnp/hessian_log10_kappa/<layer>/<variant>`` where κ is finite (else nothing: the raw tag warns)."""
+    return {f"bnp/hessian_log10_kappa/{name}/{variant}": math.log10(kappa)} if _positive(kappa) else {}
 
 
 def _keep(spectra: dict[str, Tensor], tag: str, spectrum: M.Spectrum) -> None:

@@ -11,7 +11,9 @@ the step (``on_train_batch_end``), with :mod:`lightning_bnp.core.metrics`:
 * ``bnp/hessian_kappa/<layer>/original|preconditioned``, ``bnp/hessian_min_ratio/…`` (λ_min / max|λ|)
   and ``bnp/hessian_rank/<layer>`` — the exact Hessian of the step's loss with respect to one output
   neuron's ŵ = [b_i; w_i] (Prop. 2), and Pᵀ∇²L P with BNP's P (Theorem 3) from the σ̃, μ of BNP's
-  latest step;
+  latest step; what a reader can read of κ that spans decades: ``bnp/hessian_log10_kappa/<layer>/original|
+  preconditioned|gain`` (log10 κ, and log10 of the gain) and ``bnp/hessian_kappa_gain/<layer>`` (κ original /
+  κ preconditioned of the same block at the same step, §5.1), which the TensorBoard layout charts first;
 * ``bnp/weight_kappa/<layer>/raw`` (and ``/conditioned`` for parametrized, e.g. Weight-Conditioned, layers);
 * ``bnp/effective_lr/<layer>`` — η/‖w‖² of scale-invariant weights (paper 002), found by scaling each
   layer's units on the first record's batch; ``bnp/weight_norm_sq/<layer>`` (‖w‖², which SGD only grows) and
@@ -84,7 +86,8 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             ``Trainer(log_every_n_steps=0)`` nothing is recorded then.
         layers: glob patterns of Linear/ConvNd module names for the per-layer metrics (all when ``None``).
         kappa_d: log κ(D) (the paper's, from the raw statistics) and κ(D̃) (floored) of each BNP layer.
-        hessian_block: log the Hessian-block κ of one neuron per selected layer.
+        hessian_block: log the Hessian-block κ of one neuron per selected layer, also as log10 κ and as the
+            gain κ original / κ preconditioned (TensorBoard charts these first: κ spans decades).
         hessian_layers: glob patterns of the layers whose neuron Hessian is computed; ``None``: the
             last BNP layer (the output layer of the paper's Fig. 8), or the last Linear/ConvNd without BNP.
         neuron: which output neuron (conv: output channel); taken modulo the layer's outputs.
@@ -382,9 +385,15 @@ _NOT_UNDER_FSDP2 = (
 def _layout(monitor: ConditionNumberMonitor, bnp_layers: list[str] | None) -> dict[str, dict[str, list[str]]]:
     """Custom Scalars charts: a category per kind; in it a chart per layer overlaying its variants, or one chart of
     all layers for one-value kinds, and at most ``MAX_CHARTS`` charts of consecutive layers for a deep model
-    (:func:`layer_charts`). ``bnp_layers``: the selected BNP layers, ``None`` without BNP."""
+    (:func:`layer_charts`). The readable Hessian charts (log10 κ and the gain, κ spanning decades) come first; the
+    raw κ charts stay for completeness. ``bnp_layers``: the selected BNP layers, ``None`` without BNP."""
     layout: dict[str, dict[str, list[str]]] = {}
     hessian = monitor._hessian_names
+    if monitor.hessian_block:
+        layout["bnp/hessian_log10_kappa"] = layer_charts("bnp", "hessian_log10_kappa", hessian)
+        if bnp_layers is not None:
+            gain = "κ original / κ preconditioned"
+            layout["bnp/hessian_kappa_gain"] = layer_charts("bnp", "hessian_kappa_gain", hessian, title=gain)
     if monitor.kappa_d and bnp_layers is not None:
         layout["bnp/kappa_D"] = layer_charts("bnp", "kappa_D", bnp_layers, title="κ(D), raw statistics")
         layout["bnp/kappa_D_floored"] = layer_charts("bnp", "kappa_D_floored", bnp_layers, title="κ(D̃), floored σ̃")
