@@ -9,21 +9,30 @@ and §5.1 reads κ(D)² as BNP's gain), which one image shows at a glance: one r
 to bottom), one column per record step, the colour log10 κ.
 
 :class:`HeatmapHistory` keeps the columns (at most :data:`KEEP`, older ones halved; saved in the monitor's
-checkpoint state, so a resumed run continues the same image); :func:`heatmap_picture` draws them for
-TensorBoard's *Images* tab with plain torch (:func:`._logging.heatmap_image`), a text legend names the rows.
+checkpoint state, so a resumed run continues the same image). :func:`heatmap_picture` draws them for
+TensorBoard's *Images* tab: with matplotlib (installed with the ``examples`` extra; imported on the first
+picture) a titled figure whose y axis names the layers, whose x axis gives the optimizer step of each record
+and whose colour bar is labelled in decades (10^k); without it the plain-torch image of
+:func:`._logging.heatmap_image` (cells and a colour bar with the exponents). A text legend under the same tag
+names the rows either way.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_bnp.callbacks._logging import heatmap_image
 from lightning_bnp.core.preconditioner import BNPPreconditioner
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "EVERY",
@@ -32,6 +41,7 @@ __all__ = [
     "HeatmapHistory",
     "bnp_histograms",
     "finite_histograms",
+    "heatmap_figure",
     "heatmap_picture",
     "legend",
 ]
@@ -45,6 +55,9 @@ KINDS = {  # kind → (the scalar tag it plots, the quantity, the title)
     "kappa_D": ("bnp/kappa_D/{}", "κ(D)", "log10 κ(D) (raw input statistics, paper 000 §5.1)"),
     "weight_kappa": ("bnp/weight_kappa/{}/raw", "weight κ", "log10 weight κ (raw)"),
 }
+
+MAX_LABELS = 40
+"""At most this many layer names on the y axis (a ResNet-110 has 110 rows: every k-th is named)."""
 
 
 def bnp_histograms(pre: BNPPreconditioner, layers: Collection[str]) -> dict[str, Tensor]:
@@ -124,16 +137,82 @@ class HeatmapHistory:
         self.values = {k: dict(v) for k, v in state_dict.get("heat", {}).items()}
 
 
+def has_matplotlib() -> bool:
+    """Whether matplotlib is installed (the ``examples`` extra; not a dependency of this package)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def legend(kind: str, rows: list[str]) -> str:
     """The text next to a heatmap in TensorBoard: what its rows, columns and colours are."""
     names = ", ".join(f"`{name}`" for name in rows)
-    return (
-        f"**{KINDS[kind][2]}**: one row per layer, top to bottom: {names}. One column per record step, left to "
-        "right (at most 256, evenly spaced). Colour: viridis over whole decades, the exponent on the bar at the "
-        "right; grey: no value."
-    )
+    columns = "One column per record step, left to right"
+    if has_matplotlib():
+        scale = f"{columns} (the x axis gives the optimizer step). Colour: viridis over whole decades of the bar"
+    else:
+        scale = f"{columns} (at most 256, evenly spaced). Colour: viridis over whole decades, the exponent on the bar"
+    return f"**{KINDS[kind][2]}**: one row per layer, top to bottom: {names}. {scale} at the right; grey: no value."
 
 
 def heatmap_picture(kind: str, values: Tensor, rows: Sequence[str], steps: Sequence[int]) -> Tensor:
-    """The (3, H, W) image in [0, 1] of a heatmap: :func:`._logging.heatmap_image` of ``values``."""
-    return heatmap_image(values)
+    """The (3, H, W) image in [0, 1] of a heatmap: :func:`heatmap_figure` rendered when matplotlib is installed,
+    else :func:`._logging.heatmap_image` of ``values``."""
+    if not has_matplotlib():
+        return heatmap_image(values)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = heatmap_figure(kind, values, rows, steps)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    rgb = np.asarray(canvas.buffer_rgba())[..., :3]
+    return torch.from_numpy(rgb.copy()).permute(2, 0, 1).float() / 255.0
+
+
+def heatmap_figure(kind: str, values: Tensor, rows: Sequence[str], steps: Sequence[int]) -> Figure:
+    """A matplotlib figure (not drawn yet) of ``values`` (layers × records, log10 κ; NaN: none, grey).
+
+    Title: what is plotted; y axis: ``"layer (model order)"`` with the layer names (every k-th beyond
+    :data:`MAX_LABELS`); x axis: ``"optimizer step"`` with the record steps at up to 8 ticks; colour bar:
+    viridis from ⌊min⌋ to ⌈max⌉ decades, ticks labelled 10^k (every k-th decade beyond 10) and the
+    quantity's name. Built on ``matplotlib.figure.Figure`` with no pyplot state, so it needs no display; the
+    margins are computed from the label lengths (a layout engine would triple the drawing time).
+    """
+    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    _, quantity, title = KINDS[kind]
+    data = values.double().cpu().numpy()
+    n_rows = data.shape[0]
+    finite = data[np.isfinite(data)]
+    lo = math.floor(float(finite.min())) if finite.size else 0
+    hi = max(math.ceil(float(finite.max())) if finite.size else 1, lo + 1)
+    shown = range(0, n_rows, max(1, math.ceil(n_rows / MAX_LABELS)))
+    font = 8 if len(shown) > 12 else 10
+    width, height = 800, round(min(160 + 18 * len(shown), 1000))  # pixels at dpi 100
+    left = 60 + 0.62 * font * max(len(rows[i]) for i in shown)  # y-axis label + the longest layer name
+    figure = Figure(figsize=(width / 100, height / 100), dpi=100)
+    axes = figure.add_axes((left / width, 50 / height, 1 - (left + 110) / width, 1 - 85 / height))
+    cax = figure.add_axes((1 - 95 / width, 50 / height, 15 / width, 1 - 85 / height))
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad=(0.5, 0.5, 0.5))
+    masked = np.ma.masked_invalid(data)
+    image = axes.imshow(masked, aspect="auto", cmap=cmap, vmin=lo, vmax=hi, interpolation="nearest")
+    axes.set_yticks(list(shown), labels=[rows[i] for i in shown], fontsize=font)
+    axes.set_ylabel("layer (model order)")
+    axes.xaxis.set_major_locator(MaxNLocator(nbins=8, integer=True, min_n_ticks=1))
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _step_label(steps, x)))
+    axes.set_xlabel("optimizer step (one column per record)")
+    axes.set_title(title)
+    bar = figure.colorbar(image, cax=cax)
+    decades = range(lo, hi + 1, max(1, math.ceil((hi - lo) / 10)))
+    bar.set_ticks(list(decades), labels=[f"10{str(k).translate(_SUPERSCRIPT)}" for k in decades])
+    bar.set_label(f"{quantity} (log scale)")
+    return figure
+
+
+_SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")  # 10⁻³: plain text, ~10× faster to lay out than mathtext
+
+
+def _step_label(steps: Sequence[int], x: float) -> str:
+    """The optimizer step of heatmap column ``x`` (an integer tick inside the image), else no label."""
+    index = round(x)
+    return str(steps[index]) if abs(x - index) < 1e-9 and 0 <= index < len(steps) else ""

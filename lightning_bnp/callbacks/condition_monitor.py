@@ -112,8 +112,8 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         spectra: TensorBoard only: histograms of log10|λ| of the Hessian block's nonzero eigenvalues,
             original and preconditioned (``bnp/hessian_spectrum/<layer>/original|preconditioned``).
         heatmaps: TensorBoard only: layer × record-step images of log10 κ(D) and log10 weight κ
-            (``bnp/heatmap/kappa_D``, ``bnp/heatmap/weight_kappa``) on every 10th record (each holds the whole
-            history, which is kept across checkpoint resume).
+            (``bnp/heatmap/kappa_D``, ``bnp/heatmap/weight_kappa``; titled, layers and steps on the axes, a colour
+            bar in decades) on every 10th record (each holds the whole history, kept across checkpoint resume).
 
     Raises:
         ValueError: an argument is out of range; (at setup) a pattern matches no Linear/ConvNd layer.
