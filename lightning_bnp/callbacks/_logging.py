@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +31,7 @@ __all__ = [
     "MAX_CHARTS",
     "chart",
     "declare_layout",
+    "finite_metrics",
     "has_tensorboard",
     "heatmap_image",
     "layer_charts",
@@ -85,6 +86,15 @@ def declare_layout(trainer: pl.Trainer, layout: Layout) -> None:
             merged = _declared.setdefault(logger, {})
             for category, charts in layout.items():
                 merged.setdefault(category, {}).update(charts)
+
+
+def finite_metrics(metrics: dict[str, float], warn_once: Callable[[str, str], None]) -> dict[str, float]:
+    """Drop values that could not be computed (inf, NaN: e.g. the κ of a zero Hessian block, κ(D) with no
+    live unit, the κ of a singular weight), with a one-time warning per tag; loggers never see them."""
+    for tag, value in metrics.items():
+        if not math.isfinite(value):
+            warn_once(f"finite:{tag}", f"{tag} = {value} cannot be computed at this step; not logged.")
+    return {tag: value for tag, value in metrics.items() if math.isfinite(value)}
 
 
 @rank_zero_only

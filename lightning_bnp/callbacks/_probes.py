@@ -13,13 +13,14 @@ and no random state (the caller restores torch's CPU/CUDA, NumPy's and Python's 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
@@ -31,7 +32,9 @@ from lightning_bnp.core.transform import var_tilde
 
 __all__ = [
     "Captured",
+    "DtypeFallback",
     "NoLoss",
+    "ProbeStep",
     "StepLoss",
     "is_neuron_layer",
     "learning_rates",
@@ -56,6 +59,43 @@ class Captured:
         """A copy whose tensors do not alias the DataLoader's (for the fixed Lanczos probe batch)."""
         batch = apply_to_collection(self.batch, Tensor, lambda t: t.detach().clone())
         return Captured(batch, self.batch_idx, self.cpu_rng, self.cuda_rng)
+
+
+_T = TypeVar("_T")
+
+
+class DtypeFallback:
+    """Runs a re-evaluation in a dtype (float64 for the Hessian's κ up to ~1e13), or in the model's dtype and
+    autocast once that has failed (e.g. ``training_step`` builds float32 tensors): one warning per dtype."""
+
+    def __init__(self) -> None:
+        self.failed: set[torch.dtype] = set()
+
+    def __call__(self, dtype: torch.dtype | None, compute: Callable[[torch.dtype | None], _T]) -> _T:
+        """``compute(dtype)`` (parameters, buffers and batch cast to ``dtype``, autocast off), or ``compute(None)``
+        (the model's dtype and autocast) when ``dtype`` is ``None`` or a re-evaluation in it has failed."""
+        if dtype is not None and dtype not in self.failed:
+            try:
+                return compute(dtype)
+            except RuntimeError as err:  # e.g. `training_step` builds float32 tensors: use the model's dtype
+                self.failed.add(dtype)
+                rank_zero_warn(
+                    f"ConditionNumberMonitor: {dtype} re-evaluation failed ({err}); using the model's dtype."
+                )
+        return compute(None)
+
+
+@dataclass
+class ProbeStep:
+    """What a probe re-evaluates: the step's ``training_step`` on its ``captured`` micro-batches, in a dtype."""
+
+    trainer: pl.Trainer
+    pl_module: pl.LightningModule
+    captured: list[Captured]
+    in_dtype: DtypeFallback
+
+    def loss(self, dtype: torch.dtype | None) -> StepLoss:
+        return StepLoss(self.trainer, self.pl_module, self.captured, dtype)
 
 
 class NoLoss(Exception):

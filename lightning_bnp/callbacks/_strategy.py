@@ -1,4 +1,9 @@
-"""Which Lightning strategies the callbacks support: those where every rank holds the full model."""
+"""Which Lightning strategies the callbacks support: those where every rank holds whole rows of every weight.
+
+BNP's transform is row-local (paper 000, eq. 15: output row i needs G_w[i, :], G_b[i] and its input's
+statistics), so a single device, DDP and FSDP2 (rows sharded along dim 0) work; strategies that split rows or
+columns, or flatten the layers' parameters, do not (:func:`check_strategy`).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,36 @@ from lightning.pytorch.strategies import (
 # `_start_method` is just as private, and `launcher.is_interactive_compatible` is true only for fork.
 # tests/callbacks/test_strategy.py pins it for each of those strategy names, so a rename fails a test.
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.utilities import rank_zero_warn
+
+
+def check_strategy(strategy: Strategy) -> None:
+    """BatchNormPreconditioning's check at setup: refuse a strategy it does not support, and warn that under
+    a launcher that spawns workers its state stays in them.
+
+    Raises:
+        RuntimeError: the strategy is neither a full replica per rank nor FSDP2 without tensor parallelism.
+    """
+    if not holds_full_replica(strategy) and not shards_rows(strategy):
+        tp = tensor_parallel_size(strategy)
+        cause = (
+            f"tensor parallelism (tensor_parallel_size={tp}) splits a layer's rows or columns over ranks"
+            if tp > 1
+            else "it needs every rank to hold whole rows of the Linear/Conv weights and their gradients"
+        )
+        raise RuntimeError(
+            f"BatchNormPreconditioning does not support the {type(strategy).__name__} strategy: {cause}. "
+            "Supported: a single device, DDP ('ddp', 'ddp_spawn', 'ddp_find_unused_parameters_true'), and "
+            "FSDP2: ModelParallelStrategy(tensor_parallel_size=1) with `fully_shard` applied in "
+            "`configure_model` (FSDPStrategy, FSDP1, is not: its flat parameters mix the layers' rows)."
+        )
+    if spawns_workers(strategy):
+        rank_zero_warn(
+            f"BatchNormPreconditioning under {type(strategy.launcher).__name__}: the running statistics "
+            "live in the worker processes and only the weights return to the main one. Checkpoints saved "
+            "during fit (ModelCheckpoint) hold the BNP state; `trainer.save_checkpoint` called in the main "
+            "process after fit does not. Use strategy='ddp' to keep it in the main process."
+        )
 
 
 def holds_full_replica(strategy: Strategy) -> bool:

@@ -23,6 +23,9 @@ the statistics untouched. A micro-batch whose ``training_step`` returns ``None``
 adds no statistics (they count once the backward reaches the layer's output), and a NaN/Inf sample
 never enters the running statistics (the core's module docstring).
 
+Helpers: which strategies are supported in :mod:`._strategy`; what BNP reads of the data (the last step's
+rows, token masks, the example input of lazy layers) in :mod:`._batches`.
+
 .. math::
     G_w[i, j] \\leftarrow \\frac{G_w[i, j] - μ_j G_b[i]}{q^2 \\tilde σ_j^2}, \\qquad
     G_b[i] \\leftarrow \\frac{G_b[i]}{q^2} - \\sum_j μ_j G_w[i, j]
@@ -30,20 +33,21 @@ never enters the running statistics (the core's module docstring).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal, Optional, Protocol, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import move_data_to_device, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_bnp.callbacks._batches import check_last_step_has_rows, materialize_lazy_layers, token_mask_of
 from lightning_bnp.callbacks._manual import PreconditionBeforeClipping
-from lightning_bnp.callbacks._strategy import holds_full_replica, shards_rows, spawns_workers, tensor_parallel_size
+from lightning_bnp.callbacks._strategy import check_strategy
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import (
     DEFAULT_LAYER_TYPES,
@@ -51,7 +55,6 @@ from lightning_bnp.core.preconditioner import (
     BNPWarning,
     validate_bnp_arguments,
 )
-from lightning_bnp.core.reparametrization import lazy_names
 from lightning_bnp.core.validation import check_bool, check_patterns
 
 __all__ = ["BatchNormPreconditioning", "StepRegularizer"]
@@ -200,7 +203,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         if self.preconditioner is not None and self._model is pl_module and self._attached_this_fit:
             return self.preconditioner
         if self.preconditioner is None or self._model is not pl_module:
-            _materialize_lazy_layers(pl_module)
+            materialize_lazy_layers(pl_module)
             self.preconditioner = BNPPreconditioner(
                 pl_module,
                 rho=self.rho,
@@ -229,27 +232,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
 
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
-        strategy = trainer.strategy
-        if not holds_full_replica(strategy) and not shards_rows(strategy):
-            tp = tensor_parallel_size(strategy)
-            cause = (
-                f"tensor parallelism (tensor_parallel_size={tp}) splits a layer's rows or columns over ranks"
-                if tp > 1
-                else "it needs every rank to hold whole rows of the Linear/Conv weights and their gradients"
-            )
-            raise RuntimeError(
-                f"BatchNormPreconditioning does not support the {type(strategy).__name__} strategy: {cause}. "
-                "Supported: a single device, DDP ('ddp', 'ddp_spawn', 'ddp_find_unused_parameters_true'), and "
-                "FSDP2: ModelParallelStrategy(tensor_parallel_size=1) with `fully_shard` applied in "
-                "`configure_model` (FSDPStrategy, FSDP1, is not: its flat parameters mix the layers' rows)."
-            )
-        if spawns_workers(strategy):
-            rank_zero_warn(
-                f"BatchNormPreconditioning under {type(strategy.launcher).__name__}: the running statistics "
-                "live in the worker processes and only the weights return to the main one. Checkpoints saved "
-                "during fit (ModelCheckpoint) hold the BNP state; `trainer.save_checkpoint` called in the main "
-                "process after fit does not. Use strategy='ddp' to keep it in the main process."
-            )
+        check_strategy(trainer.strategy)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -292,37 +275,8 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
                 category=BNPWarning,
             )
         if self.statistics == "batch":
-            self._check_last_step_has_rows(trainer)
-
-    def _check_last_step_has_rows(self, trainer: pl.Trainer) -> None:
-        """``statistics="batch"`` refuses a step in which a dense layer sees one row; a last batch of one
-        sample would hit that only at the end of the first epoch, so it is refused here, at the start.
-        Checked for a map-style ``DataLoader`` with a batch sampler (others are only checked per step)."""
-        assert self.preconditioner is not None
-        loader = trainer.train_dataloader
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        batch_size, sampler = getattr(batch_sampler, "batch_size", None), getattr(batch_sampler, "sampler", None)
-        if not isinstance(batch_size, int) or getattr(batch_sampler, "drop_last", True) or sampler is None:
-            return
-        if self.preconditioner.pools_over_ranks or not any(
-            layer.kind.dense for layer in self.preconditioner.layers.values()
-        ):
-            return  # pooled over ranks, or conv layers only (rows = batch × positions)
-        samples, batches = len(sampler), trainer.num_training_batches
-        if batches != -(-samples // batch_size):
-            return  # limit_train_batches: the short batch is never reached
-        last_step = (
-            trainer.accumulate_grad_batches
-            if batches % trainer.accumulate_grad_batches == 0
-            else (batches % trainer.accumulate_grad_batches)
-        )
-        rows = (samples - (batches - 1) * batch_size) + (last_step - 1) * batch_size
-        if rows == 1:
-            raise ValueError(
-                f"statistics='batch' needs more than one row per step, but the last step of every epoch has "
-                f"one sample ({samples} samples, batch_size={batch_size}, drop_last=False): use "
-                "DataLoader(..., drop_last=True), another batch size, or statistics='running'."
-            )
+            assert self.preconditioner is not None
+            check_last_step_has_rows(trainer, self.preconditioner)
 
     # ------------------------------------------------------------------ token masks
     @override
@@ -332,25 +286,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         self._clipping.new_batch()
         if self.token_mask is None or self.preconditioner is None:
             return
-        self.preconditioner.set_token_mask(self._mask_of(batch), layers=self.token_mask_layers)
-
-    def _mask_of(self, batch: Any) -> Tensor | None:
-        key = self.token_mask
-        if callable(key):
-            return key(batch)
-        assert isinstance(key, str)
-        if isinstance(batch, Mapping):
-            if key not in batch:
-                raise ValueError(
-                    f"`token_mask`={key!r}: the training batch has no such key; its keys are {list(batch)}"
-                )
-            return batch[key]
-        if not hasattr(batch, key):
-            raise ValueError(
-                f"`token_mask`={key!r}: the training batch ({type(batch).__name__}) has no such key or attribute; "
-                "pass a function of the batch that returns the mask"
-            )
-        return getattr(batch, key)
+        self.preconditioner.set_token_mask(token_mask_of(self.token_mask, batch), layers=self.token_mask_layers)
 
     @override
     def on_train_batch_end(
@@ -412,38 +348,3 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         else:
             self._loaded_state = state_dict
         self._state_restored = True
-
-
-def _materialize_lazy_layers(pl_module: pl.LightningModule) -> None:
-    """Run ``example_input_array`` through a model with uninitialised lazy layers (in eval mode, without a
-    graph, as Lightning's ``ModelSummary`` does), so that BNP can size their statistics.
-
-    Raises:
-        ValueError: lazy layers and no ``example_input_array``, naming the layers.
-    """
-    lazy = lazy_names(dict(pl_module.named_modules()))
-    if not lazy:
-        return
-    example = pl_module.example_input_array
-    if example is None:
-        raise ValueError(
-            f"BatchNormPreconditioning: layers {lazy} are uninitialised lazy modules (e.g. nn.LazyLinear), whose "
-            "shapes BNP needs at setup. Set `self.example_input_array` in the LightningModule (BNP then runs it "
-            "through the model once at setup, as ModelSummary does), or run one forward pass before `fit`."
-        )
-    # at `setup` Lightning's `pl_module.device` already names the strategy's device, but the parameters are
-    # still where they were built (the strategy moves them later): the example goes where they are
-    held = next(pl_module.parameters(), None)
-    example = move_data_to_device(example, held.device if held is not None else pl_module.device)
-    mode = pl_module.training
-    pl_module.eval()
-    try:
-        with torch.no_grad():
-            if isinstance(example, (list, tuple)):
-                pl_module(*example)
-            elif isinstance(example, dict):
-                pl_module(**example)
-            else:
-                pl_module(example)
-    finally:
-        pl_module.train(mode)

@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_bnp.callbacks import _probes as probes
 from lightning_bnp.callbacks import timing_monitor
 from lightning_bnp.callbacks._logging import MAX_CHARTS, heatmap_image, layer_charts, log_metrics
+from lightning_bnp.callbacks._pictures import heatmap_picture
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.condition_monitor import ConditionNumberMonitor
 from lightning_bnp.callbacks.timing_monitor import TimingMonitor
@@ -758,7 +759,8 @@ def test_heatmaps_show_the_logged_kappas_layer_by_step_and_survive_resume(tmp_pa
     records = events(trainer).Images("bnp/heatmap/kappa_D")
     assert [r.step for r in records] == [2]  # images on records 1, 11, 21, … of a fit: the resumed fit's first
     decoded = torch.tensor(np.array(Image.open(io.BytesIO(records[-1].encoded_image_string)).convert("RGB")))
-    expected = (heatmap_image(matrix[:, :3]).permute(1, 2, 0) * 255).round()  # steps 0, 1 (first fit) and 2
+    picture = heatmap_picture("kappa_D", matrix[:, :3], ["network.0", "network.4"], [0, 1, 2])  # the axes' labels
+    expected = (picture.permute(1, 2, 0) * 255).round()  # steps 0, 1 (first fit) and 2
     torch.testing.assert_close(decoded.double(), expected.double(), atol=1.0, rtol=0)
     legend = events(trainer).Tensors("bnp/heatmap/weight_kappa/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "`network.0`, `network.4`" in legend and "log10 weight κ" in legend
