@@ -32,11 +32,13 @@ myst_enable_extensions = ["dollarmath", "colon_fence"]
 myst_heading_anchors = 4  # [text](page.md#a-heading) links resolve, and a broken one fails the build
 
 # API reference: the public import path (lightning_bnp.BNPPreconditioner), not the private module that defines it
-autodoc_default_options = {"members": True, "show-inheritance": False, "member-order": "bysource"}
-autodoc_typehints = "description"
+# members are listed per directive (docs/api/*.rst): the callbacks' Lightning hooks are not API a user calls
+autodoc_default_options = {"member-order": "bysource"}
+autodoc_typehints = "description"  # types beside each documented argument, not in a long signature
+autodoc_typehints_description_target = "documented_params"
 autodoc_typehints_format = "short"
 autodoc_preserve_defaults = True  # defaults as written in the signature (list(DEFAULT_LAYER_TYPES), not its value)
-autodoc_class_signature = "separated"
+autodoc_class_signature = "mixed"  # the constructor's signature in the class header, its arguments in the class's Args
 add_module_names = False
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

@@ -9,8 +9,10 @@ in benchmarks/RESULTS.md §1. ``ConditionNumberMonitor`` and ``TimingMonitor`` r
 every run (all three, so the baselines' Hessian κ can be set beside BNP's).
 
 It prints a summary table (test accuracy, steps to a validation-accuracy target, ms per step, the Hessian-block
-κ of an output neuron before and after BNP's preconditioning, κ(D) of BNP's layer inputs), writes it to
-``summary.md``, draws ``comparison.png`` and leaves one TensorBoard run per (batch, method) under
+κ of an output neuron, BNP's gain on it — κ original / κ preconditioned of the same block at the same step, median
+over the records — and κ(D) of BNP's layer inputs), writes it to ``summary.md``, draws ``comparison.png`` (accuracy,
+loss, and that gain beside κ(D), smoothed: single records of a near-singular block jump by decades) and leaves one
+TensorBoard run per (batch, method) under
 ``runs/demo/version_N/`` (scalars; histograms of σ̃, μ and the Hessian spectrum; κ heatmap images).
 About 1–2 minutes on 2 CPU cores; a GPU is used when there is one.
 
