@@ -30,7 +30,7 @@ test: $(STAMP)
 # 2 CPU cores); `make bench` runs it and then the other benchmarks, which write into benchmarks/out/.
 DOCS_OUT ?= docs/_build/html
 docs: $(STAMP)
-	$(BIN)/python -m sphinx -b html -n -W --keep-going -q -d $(DOCS_OUT)/../doctrees docs $(DOCS_OUT)
+	$(BIN)/python -m sphinx -b html -n -W --keep-going -q -d $(dir $(DOCS_OUT))doctrees docs $(DOCS_OUT)
 
 reproduce: $(STAMP)
 	$(BIN)/python -m benchmarks.reproduce
