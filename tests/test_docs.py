@@ -45,14 +45,17 @@ def _name(page: Path) -> str:
 
 
 def blocks(language: str, pages: list[Path] = PAGES) -> list[tuple[str, str]]:
-    """``(where, code)`` of every fenced block in ``language``; ``where`` is ``page:line``."""
-    found = []
+    """``(where, code)`` of every fenced block in ``language``; ``where`` is ``page:line``. A block that an earlier
+    page holds as well (the README's examples in "Getting started") is listed once."""
+    found: list[tuple[str, str]] = []
     for page in pages:
         text = page.read_text()
         for match in FENCE.finditer(text):
             if match.group(2) == language:
                 line = text.count("\n", 0, match.start()) + 1
-                found.append((f"{_name(page)}:{line}", textwrap.dedent(match.group(3))))
+                code = textwrap.dedent(match.group(3))
+                if all(code != seen for _, seen in found):
+                    found.append((f"{_name(page)}:{line}", code))
     return found
 
 
