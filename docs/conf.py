@@ -55,6 +55,7 @@ nitpick_ignore_regex = [
 html_theme = "furo"
 html_title = f"lightning_bnp {release}"
 html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_theme_options = {"navigation_with_keys": True}
 
 # `|λ|` (an absolute value) in a docstring would be read as a substitution reference
