@@ -1,14 +1,16 @@
 # Two commands do all the set-up on a fresh machine with Python ≥ 3.10 and pip:
 #   make demo   – vanilla vs BatchNorm vs BNP on 5,000 bundled MNIST digits: summary table, PNG, TensorBoard logs
-#   make test   – ruff, mypy, the import layering and circles (lint-imports) and the pytest suite (in parallel
-#                 over the cores: pytest-xdist; the 10 slowest tests last)
+#   make test   – ruff, mypy, the import layering and circles (lint-imports) and the pytest suite (in parallel over the
+#                 cores: pytest-xdist; the 10 slowest tests last), which also runs `make docs` and builds, checks and
+#                 installs the wheel (tests/test_docs.py, test_wheel.py)
+# `make docs` builds the documentation site into docs/_build/html (Sphinx, strict: any warning fails).
 # Both create (or refresh, when pyproject.toml changes) the virtual environment in .venv.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test reproduce bench mutate clean
+.PHONY: demo test docs reproduce bench mutate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +30,10 @@ test: $(STAMP)
 
 # `make reproduce` regenerates benchmarks/RESULTS.md and benchmarks/results/*.png (about 75 min on
 # 2 CPU cores); `make bench` runs it and then the other benchmarks, which write into benchmarks/out/.
+DOCS_OUT ?= docs/_build/html
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -b html -n -W --keep-going -q -d $(dir $(DOCS_OUT))doctrees docs $(DOCS_OUT)
+
 reproduce: $(STAMP)
 	$(BIN)/python -m benchmarks.reproduce
 
@@ -53,4 +59,4 @@ mutate: $(STAMP)
 	$(BIN)/mutmut results
 
 clean:
-	rm -rf $(VENV) runs benchmarks/out .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) runs benchmarks/out .pytest_cache .mypy_cache .ruff_cache mutants docs/_build build dist

@@ -9,8 +9,10 @@ in benchmarks/RESULTS.md §1. ``ConditionNumberMonitor`` and ``TimingMonitor`` r
 every run (all three, so the baselines' Hessian κ can be set beside BNP's).
 
 It prints a summary table (test accuracy, steps to a validation-accuracy target, ms per step, the Hessian-block
-κ of an output neuron before and after BNP's preconditioning, κ(D) of BNP's layer inputs), writes it to
-``summary.md``, draws ``comparison.png`` and leaves one TensorBoard run per (batch, method) under
+κ of an output neuron, BNP's gain on it — κ original / κ preconditioned of the same block at the same step, median
+over the records — and κ(D) of BNP's layer inputs), writes it to ``summary.md``, draws ``comparison.png`` (accuracy,
+loss, and that gain beside κ(D), smoothed: single records of a near-singular block jump by decades) and leaves one
+TensorBoard run per (batch, method) under
 ``runs/demo/version_N/`` (scalars; histograms of σ̃, μ and the Hessian spectrum; κ heatmap images).
 About 1–2 minutes on 2 CPU cores; a GPU is used when there is one.
 
@@ -25,6 +27,7 @@ import logging
 import math
 import re
 import statistics
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,23 +148,51 @@ def fmt(value: float | None, spec: str) -> str:
     return "–" if value is None or not math.isfinite(value) else format(value, spec)
 
 
+def gains(run: Run) -> list[tuple[int, float]]:
+    """BNP's gain on the output neuron's Hessian block, record by record: κ original / κ preconditioned of the same
+    block at the same step (both from one record of ``ConditionNumberMonitor``); empty for a run without BNP."""
+    original = dict(next(iter(run.values(r"bnp/hessian_kappa/.*/original").values()), []))
+    preconditioned = run.values(r"bnp/hessian_kappa/.*/preconditioned")
+    return [
+        (step, original[step] / value) for step, value in next(iter(preconditioned.values()), []) if step in original
+    ]
+
+
+def rolling_median(points: list[tuple[int, float]], width: int = 5) -> list[tuple[int, float]]:
+    """The median of each record and its ``width − 1`` neighbours (centred): one near-singular block's κ, which
+    jumps by decades from one record to the next, moves the line by one rank, not by ten decades."""
+    half = width // 2
+    return [
+        (step, statistics.median(v for _, v in points[max(0, i - half) : i + half + 1]))
+        for i, (step, _) in enumerate(points)
+    ]
+
+
 def summary_table(runs: list[Run]) -> str:
     head = (
         f"| batch | method | lr | test acc | steps to {TARGET_VAL_ACC:.0%} val acc | ms/step "
-        "| Hessian κ, output neuron: original → BNP | κ(D), BNP's inputs |"
+        "| Hessian κ, output neuron | BNP's gain on that κ | κ(D), BNP's inputs |"
     )
-    lines = [head, "|" + "---|" * 8]
+    lines = [head, "|" + "---|" * 9]
     for run in runs:
-        original = run.median(r"bnp/hessian_kappa/.*/original")
-        preconditioned = run.median(r"bnp/hessian_kappa/.*/preconditioned")
-        kappa = fmt(original, ".2e") + (f" → {fmt(preconditioned, '.2e')}" if run.method == "bnp" else "")
+        kappa = fmt(run.median(r"bnp/hessian_kappa/.*/original"), ".2e")
+        gain = [g for _, g in gains(run)]
         steps = run.steps_to(TARGET_VAL_ACC)
         lines.append(
             f"| {run.batch_size} | {TITLES[run.method]} | {run.lr:g} | {fmt(run.test_acc, '.3f')} "
             f"| {'not reached' if steps is None else steps} | {fmt(run.median('timing/step_ms'), '.2f')} "
-            f"| {kappa} | {fmt(run.median(r'bnp/kappa_D/.*', reduce='max'), '.3g')} |"
+            f"| {kappa} | {fmt(statistics.median(gain) if gain else None, '.2g')}{'×' if gain else ''} "
+            f"| {fmt(run.median(r'bnp/kappa_D/.*', reduce='max'), '.3g')} |"
         )
     return "\n".join(lines)
+
+
+CAPTION = (
+    "Right: BNP's gain on the Hessian block of one output neuron, κ original / κ preconditioned of the same block at "
+    "the same step (rolling median of 5 records; dots: each record), beside κ(D) of that layer's input. Vanilla and "
+    "BatchNorm train other weights, so their κ is not comparable record by record (benchmarks/RESULTS.md §2 "
+    "compares the same block over 5 seeds)."
+)
 
 
 def plot(runs: list[Run], path: Path) -> None:
@@ -171,7 +202,7 @@ def plot(runs: list[Run], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     batch_sizes = sorted({run.batch_size for run in runs})
-    fig, axes = plt.subplots(len(batch_sizes), 3, figsize=(15, 4 * len(batch_sizes)), squeeze=False)
+    fig, axes = plt.subplots(len(batch_sizes), 3, figsize=(15, 4 * len(batch_sizes) + 0.6), squeeze=False)
     colors = {"vanilla": "tab:gray", "bn": "tab:blue", "bnp": "tab:red"}
     for row, batch_size in zip(axes, batch_sizes):
         for run in (r for r in runs if r.batch_size == batch_size):
@@ -179,23 +210,41 @@ def plot(runs: list[Run], path: Path) -> None:
             for ax, tag in ((row[0], "val/acc"), (row[1], "train/loss")):
                 points = run.series.get(tag, [])
                 ax.plot([s for s, _ in points], [v for _, v in points], label=label, color=color)
-            for tag, points in run.values(r"bnp/hessian_kappa/.*/(original|preconditioned)").items():
-                preconditioned = tag.endswith("preconditioned")
+            gain = gains(run)
+            if not gain:
+                continue
+            smooth = rolling_median(gain)
+            row[2].scatter([s for s, _ in gain], [g for _, g in gain], color=color, s=8, alpha=0.3)
+            row[2].plot(
+                [s for s, _ in smooth],
+                [g for _, g in smooth],
+                color=color,
+                label=f"gain κ original / κ BNP (median {statistics.median(g for _, g in gain):.2g}×)",
+            )
+            layer = next(iter(run.values(r"bnp/hessian_kappa/.*/original")), "").split("/")[2:3]
+            kappa_d = run.values(rf"bnp/kappa_D/{re.escape(layer[0])}") if layer else {}
+            for points in kappa_d.values():
                 row[2].plot(
                     [s for s, _ in points],
                     [v for _, v in points],
-                    color=color,
-                    linestyle="--" if preconditioned else "-",
-                    label=f"{TITLES[run.method]}, {'BNP-preconditioned' if preconditioned else 'original'}",
+                    color="black",
+                    linestyle=":",
+                    label="κ(D) of that layer's input",
                 )
         row[0].set(title=f"batch {batch_size}: validation accuracy", xlabel="optimizer step", ylim=(0.5, 1.0))
         row[0].axhline(TARGET_VAL_ACC, color="black", linewidth=0.5)
         row[1].set(title=f"batch {batch_size}: training loss", xlabel="optimizer step", yscale="log")
-        row[2].set(title=f"batch {batch_size}: Hessian κ of one output neuron", xlabel="optimizer step", yscale="log")
+        row[2].axhline(1.0, color="black", linewidth=0.5)
+        row[2].set(
+            title=f"batch {batch_size}: BNP's gain on an output neuron's Hessian κ",
+            xlabel="optimizer step",
+            yscale="log",
+        )
         for ax in row:
             ax.legend(fontsize=8)
             ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.text(0.01, 0.005, textwrap.fill(CAPTION, 190), fontsize=8, va="bottom")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -219,7 +219,7 @@ def section(settings: tuple[Setting, ...], results: dict[Job, Run], measured: Me
         "19–20), i.e. Alg. 2 on the unfolded input, with the same q². " + note + "\n",
         "### How far the per-channel mean is from the exact one (Prop. 10)\n",
         "Relative error of the per-channel statistic as an estimate of each column's exact one: max and mean "
-        "over the columns of |μ_c − μ_(c,k)| / |μ_(c,k)| (the issue's measure; columns whose exact mean is 0 left "
+        "over the columns of |μ_c − μ_(c,k)| / |μ_(c,k)| (the measure of Prop. 10; columns whose exact mean is 0 left "
         "out, and a column whose exact mean is nearly 0 makes the max large), the centring error in units of the "
         'column\'s spread ("shift / σ"), max |μ_c − μ_(c,k)| / σ_(c,k), and the max of |σ_c − σ_(c,k)| / '
         "σ_(c,k). Synthetic rows: ReLU(N(0, 1)) maps, 16 channels; network rows: the inputs of each "

@@ -216,7 +216,7 @@ def section(
     lengths = ", ".join(f"{s.name} {s.steps} steps" for s in settings)
     seeds = ", ".join(sorted({str(s.seeds) for s in settings}))
     lines = [
-        f"{report.HEADER}: BNP on every attention projection (issue 24)\n",
+        f"{report.HEADER}: BNP on every attention projection\n",
         ("**QUICK MODE: tiny runs, the numbers mean nothing.** " if args.quick else "")
         + f"Generated on its own by `{command} --device {device} --jobs {meta['jobs']}{length}` on "
         f"{meta['device_name']} (host: {meta['cpus']} CPUs), torch {meta['torch']}, {meta['jobs']} worker processes "

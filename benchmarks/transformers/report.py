@@ -153,29 +153,29 @@ def lm_verdicts(s: Setting, cs: dict[str, Choice], results: Results, device: str
     gap = sgd - adam
     if not gap > 0:
         first = (
-            f"- SGD + BNP closes at least half the gap between SGD and Adam (issue 24): **not reproduced** — there "
+            f"- SGD + BNP closes at least half the gap between SGD and Adam: **not reproduced** — there "
             f"is no gap to close: SGD {sgd:.3f}, Adam {adam:.3f} nats/char (SGD + BNP {bnp:.3f})."
         )
     else:
         closed = (sgd - bnp) / gap
         ok = True if closed >= 0.5 else (None if closed > 0 else False)
         first = (
-            f"- SGD + BNP closes at least half the gap between SGD and Adam (issue 24): {verdict(ok)} — it closes "
+            f"- SGD + BNP closes at least half the gap between SGD and Adam: {verdict(ok)} — it closes "
             f"{closed * 100:.0f}% of it (final test loss SGD {sgd:.3f}, SGD + BNP {bnp:.3f}, Adam {adam:.3f} "
-            f"nats/char, each at its chosen rate; the issue measured 2.51, 2.29, 2.18 at 400 steps)."
+            f"nats/char, each at its chosen rate; a shorter run of 400 steps gave 2.51, 2.29, 2.18)."
         )
     stable = {v: cs[v].largest_trained(results, device, cache) for v in ("SGD", "SGD+BNP")}
     div = {v: {lr: d for lr, d in cs[v].diverged.items() if d} for v in ("SGD", "SGD+BNP")}
     larger = stable["SGD+BNP"] is not None and (stable["SGD"] is None or stable["SGD+BNP"] > stable["SGD"])
     second = (
-        f"- SGD + BNP trains at a rate where plain SGD does not (issue 24: 0.3, where SGD diverged): "
+        f"- SGD + BNP trains at a rate where plain SGD does not (expected at 0.3, where SGD diverged): "
         f"{verdict(larger)} — largest rate of the grid at which every seed trained (none diverged, final validation "
         f"loss below the uniform guess's ln 256): SGD {stable['SGD']}, SGD + BNP {stable['SGD+BNP']} (diverged seeds "
         f"per rate: SGD {div['SGD'] or 'none'}, SGD + BNP {div['SGD+BNP'] or 'none'})."
     )
     r = compare(s, cs["Adam+BNP"], cs["Adam"])
     third = (
-        f"- Adam + BNP against Adam (not a claim of the issue, reported): {WORD[r]} Adam "
+        f"- Adam + BNP against Adam (not a claim, reported): {WORD[r]} Adam "
         f"({adam_bnp:.3f} vs {adam:.3f} nats/char; level within {LM_LEVEL})."
     )
     return [first, second, third]

@@ -181,7 +181,7 @@ class LayerKind:
 
     def rows(self, module: nn.Module, weight: Tensor) -> Tensor:
         """A weight-shaped tensor (the weight, its gradient, a decay term …) as BNP's rows: a **view** of shape
-        (out, features) for a linear layer, (out, c_in/groups, *kernel) for a convolution. Identity by default;
+        (out, features) for a linear layer, ``(out, c_in/groups, *kernel)`` for a convolution. Identity by default;
         ``weight.t()`` for a weight stored (in, out); ``weight[a:b]`` for a row block."""
         return weight
 

@@ -104,7 +104,7 @@ def precondition_(
     """Apply (1/q²)·P·Pᵀ to one layer's gradients, in place (Alg. 2/3 steps 4–5).
 
     Args:
-        grad_w: weight gradient, (out, in) or (out, c_in/groups, *kernel).
+        grad_w: weight gradient, (out, in) or ``(out, c_in/groups, *kernel)``.
         grad_b: bias gradient (out,), or ``None`` for a layer without bias.
         mu: mean μ per input channel (c_in,) or per im2col column (c_in·kernel volume,), or ``None`` for a
             layer without bias.

@@ -145,7 +145,7 @@ def _lm_verdicts(sgd: float, bnp: float, adam: float, sgd_at_1: str = "trains") 
     return report.lm_verdicts(LM, cs, results, "cpu", None)
 
 
-def test_lm_gap_verdict_follows_the_issues_half_gap_rule() -> None:
+def test_lm_gap_verdict_follows_the_half_gap_rule() -> None:
     # the issue's own figures: (2.51 − 2.29) / (2.51 − 2.18) = 67% of the gap
     lines = _lm_verdicts(2.51, 2.29, 2.18, sgd_at_1="diverges")
     assert "**reproduced** — it closes 67% of it" in lines[0]
@@ -154,7 +154,7 @@ def test_lm_gap_verdict_follows_the_issues_half_gap_rule() -> None:
         in (lines[1])
     )
     assert "SGD + BNP 1.0 (diverged seeds per rate: SGD {1.0: 1}, SGD + BNP none)" in lines[1]
-    assert lines[1].startswith("- SGD + BNP trains at a rate where plain SGD does not (issue 24: 0.3, where SGD ")
+    assert lines[1].startswith("- SGD + BNP trains at a rate where plain SGD does not (expected at 0.3, where SGD ")
     assert "**reproduced**" in lines[1]
     # a finite but broken run (validation loss above ln 256) has not trained either
     assert "SGD 0.1, SGD + BNP 1.0" in _lm_verdicts(2.51, 2.29, 2.18, sgd_at_1="broken")[1]
@@ -162,7 +162,7 @@ def test_lm_gap_verdict_follows_the_issues_half_gap_rule() -> None:
     assert "**not reproduced** — it closes -27% of it" in _lm_verdicts(2.51, 2.6, 2.18)[0]
     assert "there is no gap to close" in _lm_verdicts(2.1, 2.0, 2.18)[0]
     # SGD trains at every rate: BNP cannot be said to train where SGD does not
-    assert "(issue 24: 0.3, where SGD diverged): **not reproduced**" in _lm_verdicts(2.51, 2.29, 2.18)[1]
+    assert "(expected at 0.3, where SGD diverged): **not reproduced**" in _lm_verdicts(2.51, 2.29, 2.18)[1]
 
 
 def test_compare_uses_one_point_and_two_hundredths_of_a_nat() -> None:

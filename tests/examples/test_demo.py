@@ -53,3 +53,16 @@ def test_summary_counts_steps_to_target_and_medians() -> None:
     assert run.median(r"bnp/kappa_D/.*", reduce="max") == 25.0  # max per record: 20, 30
     assert run.median("timing/step_ms") == 2.0
     assert "| 6 | BNP | 0.5 | 0.900 | 200 | 2.00 |" in demo.summary_table([run])
+
+
+def test_gain_is_the_same_blocks_ratio_at_the_same_step_and_its_smoothing_ignores_one_record() -> None:
+    kappa = "bnp/hessian_kappa/n.7"
+    series = {
+        f"{kappa}/original": [(0, 10.0), (20, 1e12), (40, 30.0)],
+        f"{kappa}/preconditioned": [(0, 5.0), (20, 1e14), (40, 10.0)],
+    }
+    run = demo.Run(60, "bnp", 1.0, 0.9, series)
+    assert demo.gains(run) == [(0, 2.0), (20, 0.01), (40, 3.0)]
+    assert demo.rolling_median(demo.gains(run), width=3) == [(0, 1.005), (20, 2.0), (40, 1.505)]
+    assert demo.gains(demo.Run(60, "vanilla", 0.5, 0.9, {"bnp/hessian_kappa/n.7/original": [(0, 1.0)]})) == []
+    assert "| 2× |" in demo.summary_table([run])
