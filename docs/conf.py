@@ -47,7 +47,11 @@ napoleon_use_rtype = False
 nitpicky = True  # a reference that resolves to nothing is a warning, so an error
 nitpick_ignore_regex = [
     # external names (no intersphinx: no network at build time)
-    (r"py:.*", r"(torch|lightning|typing|typing_extensions|collections|contextlib|jsonargparse|numpy|builtins|abc)(\..*)?"),
+    (
+        r"py:.*",
+        r"(torch|lightning|typing|typing_extensions|collections|contextlib|jsonargparse|numpy|builtins|abc)"
+        r"(\..*)?",
+    ),
     (r"py:class", r"(Tensor|Optimizer|Module|Callback|Trainer|LightningModule|Literal|Optional|Union|Any|Callable)"),
     (r"py:class", r"(Iterator|Iterable|Mapping|Sequence|Generator|Path|pl\..*|nn\..*|optional|NoneType)"),
 ]
