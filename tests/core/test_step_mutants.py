@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_bnp.core import BNPPreconditioner
+from lightning_bnp.core.step import PreconditionerStep
 from lightning_bnp.core.step_math import step_math
+from lightning_bnp.core.step_warnings import StepWarnings
 from tests.helpers import make_mlp
 
 
@@ -109,3 +111,33 @@ def test_a_copy_of_a_graph_stepped_preconditioner_builds_its_own_step_with_the_s
     sgd_steps(model, pre, range(2, 4))
     assert recorder.runs == 6
     assert_same_parameters(model_copy, model)
+
+
+def test_a_step_stores_its_running_statistics_update_unless_told_not_to() -> None:
+    """``PreconditionerStep.precondition`` commits by default: after it each layer's running statistics have
+    taken one step (those of a twin stepped by ``BNPPreconditioner.precondition()``), and the pending update it
+    returns holds nothing left to store; with ``commit=False`` they are untouched until the update is committed."""
+    for commit in (None, False):
+        model, reference = make_mlp(), make_mlp()
+        pre, twin = BNPPreconditioner(model, rho=0.5), BNPPreconditioner(reference, rho=0.5)
+        step = PreconditionerStep(
+            rho=0.5, eps1=pre.eps1, eps2=pre.eps2, statistics="running", bias_correction=False,
+            sync_statistics=False, process_group=None, decay_offset=pre._decay_offset,
+            warnings=StepWarnings(running=True),
+        )  # fmt: skip
+        for net in (model, reference):
+            x, y = batch(0)
+            F.cross_entropy(net(x), y).backward()
+        layers = list(pre.layers.values())
+        pending = step.precondition(layers, None) if commit is None else step.precondition(layers, None, commit=False)
+        twin.precondition()
+        if commit is None:
+            assert pending.items == []
+        else:
+            assert [layer.running.steps for layer in layers] == [0, 0]
+            assert len(pending.items) == 2
+            pending.commit()
+        for layer, other in zip(layers, twin.layers.values()):
+            assert layer.running.steps == 1
+            torch.testing.assert_close(layer.running.mean_acc, other.running.mean_acc, rtol=0, atol=0)
+            torch.testing.assert_close(layer.running.var_acc, other.running.var_acc, rtol=0, atol=0)
