@@ -1,7 +1,8 @@
 """The forward-statistics collection (``lightning_bnp/core/collection.py``): behaviour that the mutation run of the
 split collection found untested (tests/MUTANTS.md, "The fifth pass"). The q, k and v layers of a self-attention
-reduce their one input once (and again once it is changed in place); a traced forward's attention statistics; a
-collection pickled before the discarded-gradient bookkeeping existed."""
+reduce their one input once (and again once it is changed in place); a traced forward's attention statistics and
+those of a kind with several calls per forward (given the module and each output); a collection pickled before the
+discarded-gradient bookkeeping existed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from torch import Tensor, nn
 from lightning_bnp.core import BNPPreconditioner
 from lightning_bnp.core.attention import MHAProjectionKind
 from lightning_bnp.core.collection import StatisticsCollection
+from lightning_bnp.core.kinds import register_layer_kind, unregister_layer_kind
 from lightning_bnp.core.statistics import Moments
+from tests.core.test_layer_kinds import Pair, PairKind
 
 E, HEADS = 8, 2
 QKV = ("attn.q", "attn.k", "attn.v")
@@ -118,6 +121,33 @@ def test_a_traced_forward_counts_the_q_k_v_moments_of_a_self_attention_at_the_fo
     out_proj = pre.layers["attn.out_proj"].moments  # the attention output, captured from F.linear: its rows
     assert out_proj is not None and int(out_proj.rows) == 4 * 5
     pre.detach()
+
+
+def test_a_traced_forward_gives_a_kind_with_several_calls_the_module_and_the_output_of_each_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kind whose forward yields (input, output) pairs (``LayerKind.calls``) reduces each pair with its own
+    ``moments`` in a traced forward too, given the module and that pair's output: ``PairKind``'s rows are its
+    float32 inputs cast to the float64 output's dtype and scaled by the module's ``input_scale``."""
+    register_layer_kind(PairKind())
+    try:
+        torch.manual_seed(0)
+        net = nn.ModuleDict({"pair": Pair(3, 2, input_scale=0.5).double()})
+        pre = BNPPreconditioner(net, layer_types=["Pair"])
+        g = torch.Generator().manual_seed(5)
+        a, b = torch.randn(4, 3, generator=g) * 3 + 1, torch.randn(5, 3, generator=g)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        net["pair"](a, other=b)
+        monkeypatch.undo()
+        moments = pre.layers["pair"].moments  # counted at the forward: no backward ran
+        assert moments is not None and moments.mean.dtype == torch.float64
+        rows = torch.cat([b, a]).double() * 0.5
+        assert int(moments.rows) == 9
+        torch.testing.assert_close(moments.mean, rows.mean(0), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(moments.var, rows.var(0, correction=0), rtol=1e-12, atol=1e-12)
+        pre.detach()
+    finally:
+        unregister_layer_kind("Pair")
 
 
 def test_a_collection_pickled_before_the_discarded_gradient_bookkeeping_loads_and_drops_a_discarded_gradient(
