@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_bnp.core import BNPPreconditioner
 from lightning_bnp.core.attention import MHAProjectionKind
 from lightning_bnp.core.collection import StatisticsCollection
-from lightning_bnp.core.kinds import register_layer_kind, unregister_layer_kind
+from lightning_bnp.core.kinds import LayerKind, register_layer_kind, unregister_layer_kind
 from lightning_bnp.core.statistics import Moments
 from tests.core.test_layer_kinds import Pair, PairKind
 
@@ -178,3 +179,50 @@ def test_a_collection_pickled_before_the_discarded_gradient_bookkeeping_loads_an
     assert moments is not None and int(moments.rows) == 6
     torch.testing.assert_close(moments.mean, y.mean(0), rtol=1e-12, atol=1e-12)
     pre.detach()
+
+
+class ScaledInput(nn.Module):
+    """A dense layer whose forward takes a scale first and its input second: ``linear(scale · x)``."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features))
+        self.bias = nn.Parameter(torch.randn(out_features))
+
+    def forward(self, scale: float, x: Tensor) -> Tensor:
+        return F.linear(x * scale, self.weight, self.bias)
+
+
+class ScaledInputKind(LayerKind):
+    """The rows ``ScaledInput``'s weight multiplies: its second positional argument times its first (or the
+    keywords ``x`` and ``scale``)."""
+
+    name = "ScaledInput"
+    module_type = ScaledInput
+
+    def input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = args[1] if len(args) > 1 else kwargs.get("x")
+        scale = args[0] if args else kwargs.get("scale")
+        return None if x is None or scale is None else x * scale
+
+
+def test_a_kind_with_its_own_input_is_given_the_positional_arguments_of_the_call() -> None:
+    """A kind whose ``input`` reads the forward's positional arguments (the plain forward hook, one call per
+    forward) counts the rows it builds from them: ``2 · x`` of ``module(2.0, x)``, and ``3 · y`` of
+    ``module(scale=3.0, x=y)``."""
+    register_layer_kind(ScaledInputKind())
+    try:
+        torch.manual_seed(0)
+        module = ScaledInput(3, 2).double()
+        pre = BNPPreconditioner(nn.ModuleDict({"s": module}), layer_types=["ScaledInput"])
+        g = torch.Generator().manual_seed(6)
+        x, y = (torch.randn(n, 3, generator=g, dtype=torch.float64) for n in (4, 5))
+        (module(2.0, x).sum() + module(scale=3.0, x=y).sum()).backward()
+        moments = pre.layers["s"].moments
+        rows = torch.cat([2 * x, 3 * y])
+        assert moments is not None and int(moments.rows) == 9
+        torch.testing.assert_close(moments.mean, rows.mean(0), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(moments.var, rows.var(0, correction=0), rtol=1e-12, atol=1e-12)
+        pre.detach()
+    finally:
+        unregister_layer_kind("ScaledInput")
