@@ -62,8 +62,9 @@ class StatisticsCollection:
         self.handles: list[RemovableHandle] = []
         self.collecting = True  # False inside BNPPreconditioner.paused()
         self.generation = 0  # bumped by detach(): forwards from before it never count
-        # layers whose pending statistics have reached their weight's gradient (its accumulation ran since): the leaf
-        self.settled: dict[str, weakref.ref[Tensor]] = {}
+        # layer → (its weight, the pending statistics that reached the weight's gradient, whose accumulation ran
+        # since): they are dropped if that gradient is reset before the next count
+        self.settled: dict[str, tuple[weakref.ref[Tensor], Moments]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # hook handles stay behind (a copy of the model carries no BNP hooks: core/copies.py)
@@ -231,14 +232,16 @@ class StatisticsCollection:
             if counted or generation != self.generation:
                 return
             counted = True
-            leaf = self.settled.pop(layer.name, None)
+            settled = self.settled.pop(layer.name, None)
+            # the very statistics that reached the gradient, and the gradient reset since: a discarded gradient's
+            # (statistics counted after the settle — a later step's, a traced forward's — are not those)
             if (
-                leaf is not None
-                and layer.moments is not None
-                and (weight := leaf()) is not None
+                settled is not None
+                and layer.moments is settled[1]
+                and (weight := settled[0]()) is not None
                 and weight.grad is None
             ):
-                layer.moments = None  # the gradient they reached was reset since: a discarded gradient's
+                layer.moments = None
             layer.add_moments(part)
 
         return count
@@ -251,6 +254,6 @@ class StatisticsCollection:
 
         def settle(weight: Tensor) -> None:
             if layer.moments is not None and weight is ref():
-                self.settled[layer.name] = ref
+                self.settled[layer.name] = (ref, layer.moments)
 
         return settle

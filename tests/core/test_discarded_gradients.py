@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from unittest import mock
 
 import torch
 from torch import nn
@@ -107,3 +108,27 @@ def test_accumulated_micro_batches_keep_their_statistics() -> None:
         net(x).sum().backward()
     pre.step()
     assert seen == [12]
+
+
+def test_a_layer_run_traced_and_eager_in_one_step_after_a_counted_step_keeps_both_calls() -> None:
+    """The mark that a step's statistics reached the gradient is the previous step's: once that step consumed them,
+    a traced forward (counted at the forward) and an eager one (counted when the backward reaches it) of the next
+    step both count, 5 + 6 rows, after ``zero_grad()`` reset the gradient between the steps — as after a paused
+    first step."""
+    torch.manual_seed(0)
+    for first in ("paused", "counted"):
+        net = nn.Linear(3, 2)
+        pre = BNPPreconditioner(net)
+        if first == "paused":
+            with pre.paused():
+                net(torch.randn(4, 3)).sum().backward()
+        else:
+            net(torch.randn(4, 3)).sum().backward()
+            pre.step()
+        net.zero_grad()
+        with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
+            traced = net(torch.randn(5, 3))
+        eager = net(torch.randn(6, 3))
+        (traced.sum() + eager.sum()).backward()
+        moments = pre.layers[""].moments
+        assert moments is not None and int(moments.rows) == 11, first
