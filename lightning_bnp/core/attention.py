@@ -308,6 +308,20 @@ _WEIGHT_READ = re.compile(r"\bself\.([A-Za-z_]\w*)\.weight\b")
 
 
 _READ_NOT_CALLED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+_SOURCES: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
+
+
+def forward_source(parent_type: type[nn.Module]) -> str:
+    """The source of ``parent_type.forward``, dedented, read once per class; empty when it cannot be read (a class
+    made by ``exec``, a C extension)."""
+    source = _SOURCES.get(parent_type)
+    if source is None:
+        try:
+            source = textwrap.dedent(inspect.getsource(parent_type.forward))
+        except (OSError, TypeError):
+            source = ""
+        _SOURCES[parent_type] = source
+    return source
 
 
 def _weights_read_not_called(parent_type: type[nn.Module]) -> frozenset[str]:
@@ -316,10 +330,7 @@ def _weights_read_not_called(parent_type: type[nn.Module]) -> frozenset[str]:
     per class."""
     found = _READ_NOT_CALLED.get(parent_type)
     if found is None:
-        try:
-            source = textwrap.dedent(inspect.getsource(parent_type.forward))
-        except (OSError, TypeError):
-            source = ""
+        source = forward_source(parent_type)
         read = set(_WEIGHT_READ.findall(source))
         found = frozenset(a for a in read if not re.search(rf"\bself\.{a}\s*\(", source))
         _READ_NOT_CALLED[parent_type] = found

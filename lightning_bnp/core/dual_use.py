@@ -15,14 +15,12 @@ statistics); a weight passed on to a helper that calls ``F.linear`` is not seen.
 
 from __future__ import annotations
 
-import inspect
 import re
-import textwrap
 import weakref
 
 from torch import nn
 
-from lightning_bnp.core.attention import FunctionalLinearKind
+from lightning_bnp.core.attention import FunctionalLinearKind, forward_source
 from lightning_bnp.core.kinds import LayerKind, LinearKind
 
 __all__ = ["count_both_uses"]
@@ -48,10 +46,7 @@ def _called_and_passed(parent_type: type[nn.Module]) -> frozenset[str]:
     A weight read for anything else (a penalty, its dtype) is not a second input."""
     found = _CALLED_AND_PASSED.get(parent_type)
     if found is None:
-        try:
-            source = textwrap.dedent(inspect.getsource(parent_type.forward))
-        except (OSError, TypeError):
-            source = ""
+        source = forward_source(parent_type)
         passed = {
             a for call in _LINEAR_CALL.finditer(source) for a in _WEIGHT_READ.findall(_arguments(source, call.end()))
         }
