@@ -307,7 +307,8 @@ def register_functional_linear(
 _WEIGHT_READ = re.compile(r"\bself\.([A-Za-z_]\w*)\.weight\b")
 
 
-_READ_NOT_CALLED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+_LINEAR_CHILDREN: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+_LINEAR_CALL = re.compile(r"\blinear\s*\(")  # F.linear(, torch.nn.functional.linear(, linear(
 _SOURCES: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
 
 
@@ -324,27 +325,45 @@ def forward_source(parent_type: type[nn.Module]) -> str:
     return source
 
 
-def _weights_read_not_called(parent_type: type[nn.Module]) -> frozenset[str]:
-    """Attributes ``a`` whose ``self.a.weight`` the source of ``parent_type.forward`` reads while it never calls
-    ``self.a(...)``; empty when the source cannot be read (a class made by ``exec``, a C extension). Read once
-    per class."""
-    found = _READ_NOT_CALLED.get(parent_type)
+def _linear_children(parent_type: type[nn.Module]) -> frozenset[str]:
+    """Attributes ``a`` whose ``self.a.weight`` the source of ``parent_type.forward`` uses as a linear layer's
+    weight besides, or instead of, calling ``self.a(...)``: read while never called (passed to ``F.linear`` or to a
+    function that calls it), or called and also passed to a ``linear(...)`` call (``F.linear(y, self.a.weight,
+    self.a.bias)``: the weight's gradient then has two inputs, and a hook on the child would see only the direct
+    call's). A weight read for anything else by a parent that calls the child (a penalty, its dtype) is no second
+    input. Empty when the source cannot be read (a class made by ``exec``, a C extension). Read once per class."""
+    found = _LINEAR_CHILDREN.get(parent_type)
     if found is None:
         source = forward_source(parent_type)
+        passed = {
+            a for call in _LINEAR_CALL.finditer(source) for a in _WEIGHT_READ.findall(_arguments(source, call.end()))
+        }
         read = set(_WEIGHT_READ.findall(source))
-        found = frozenset(a for a in read if not re.search(rf"\bself\.{a}\s*\(", source))
-        _READ_NOT_CALLED[parent_type] = found
+        called = {a for a in read if re.search(rf"\bself\.{a}\s*\(", source)}
+        found = _LINEAR_CHILDREN[parent_type] = frozenset(read - called | passed)
     return found
+
+
+def _arguments(source: str, start: int) -> str:
+    """The text between the parenthesis opened just before ``start`` and the one that closes it."""
+    depth = 1
+    for end in range(start, len(source)):
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        if depth == 0:
+            return source[start:end]
+    return source[start:]
 
 
 def inferred_functional_linears(module: nn.Module, claimed: frozenset[int] = frozenset()) -> list[FunctionalLinearKind]:
     """Kinds for the ``nn.Linear`` children that ``module``'s forward uses through their weight without calling
-    them (``F.linear(x, self.proj.weight, self.proj.bias)``, or the weight passed on to a function that does),
-    read from the source of its class's ``forward``: their inputs are then captured from the ``F.linear`` calls
-    made with that weight while ``module`` runs, as for a parent made known with :func:`register_functional_linear`
-    (issue 24, item 2). A child whose ``id`` is in ``claimed`` (a registered kind feeds it) is left out."""
+    them (``F.linear(x, self.proj.weight, self.proj.bias)``, or the weight passed on to a function that does), or
+    both calls and passes to ``F.linear`` (:func:`_linear_children`), read from the source of its class's
+    ``forward``: their inputs are then captured from the ``F.linear`` calls made with that weight while ``module``
+    runs — a direct call of the child is one, since ``nn.Linear.forward`` calls it — as for a parent made known with
+    :func:`register_functional_linear`. The layer keeps the child's name. A child whose ``id`` is in ``claimed`` (a
+    registered kind feeds it) is left out."""
     kinds = []
-    for child in sorted(_weights_read_not_called(type(module))):
+    for child in sorted(_linear_children(type(module))):
         linear = module._modules.get(child)
         if isinstance(linear, nn.Linear) and id(linear) not in claimed:
             kinds.append(FunctionalLinearKind(type(module), child))

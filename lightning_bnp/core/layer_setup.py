@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from torch import nn
 
 from lightning_bnp.core.coverage import Coverage, coverage
-from lightning_bnp.core.dual_use import count_both_uses
 from lightning_bnp.core.kinds import EMBEDDING, select_layer_kinds
 from lightning_bnp.core.layers import BNPWarning, ManagedLayer, make_layers
 from lightning_bnp.core.model_scan import scan_model
@@ -40,8 +39,7 @@ def manage_layers(
     if embeddings and EMBEDDING not in layer_types:
         layer_types = [*layer_types, EMBEDDING]
     scan = scan_model(model, layer_types)  # the model read once: kinds and claims, for all three below
-    # a Linear its parent both calls and uses through F.linear: both inputs count (core/dual_use.py)
-    chosen = count_both_uses(model, select_layer_kinds(scan, include, exclude))
+    chosen = select_layer_kinds(scan, include, exclude)
     kept = manageable({name: module for name, (module, _) in chosen.items()}, BNPWarning)
     layers = make_layers(
         scan,
