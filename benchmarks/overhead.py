@@ -12,7 +12,8 @@ Every (row, variant, mode, precision, loop) is timed in one process, round-robin
 the order rotated each repeat, so that load from other processes lands on all alike; the median per
 step is reported and every ratio compares entries of the same mode, precision and loop:
 
-* mode ``eager`` or ``compiled`` (``torch.compile(model)`` after BNP registered its hooks);
+* mode ``eager``, ``compiled`` (``torch.compile(model)`` after BNP registered its hooks, and BNP's step compiled)
+  or ``graphed`` (CUDA only: the whole step captured in a CUDA graph and replayed, ``GraphedTrainingStep``);
 * precision ``fp32`` or ``bf16`` (``torch.autocast``);
 * loop ``plain`` (zero_grad, forward, backward, ``pre.step()``, SGD step) or ``lightning`` (the same
   network in a LightningModule with the ``BatchNormPreconditioning`` callback, timed from batch start to
@@ -46,7 +47,7 @@ from benchmarks.op_count import added_cost
 from example_projects.models import cifar_resnet, cnn5, fc_network
 from example_projects.transformers import VOCAB, CharLM, ViT
 from lightning_bnp import BatchNormPreconditioning
-from lightning_bnp.core import BNPPreconditioner, BNPWarning
+from lightning_bnp.core import BNPPreconditioner, BNPWarning, GraphedTrainingStep
 
 OUT = Path(__file__).parent / "out"
 Step = Callable[[], None]
@@ -168,6 +169,18 @@ def plain_step(row: Row, batch: int, key: Key, device: torch.device) -> Step:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = batches(row, batch, device)
     count = iter(range(1 << 62))
+    if key.mode == "graphed":  # the whole step captured in a CUDA graph and replayed (GraphedTrainingStep)
+
+        def loss_of(x: Tensor, y: Tensor) -> Tensor:
+            with autocast(device, key.precision):
+                return nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten())
+
+        graphed = GraphedTrainingStep(loss_of, opt, pre)
+
+        def replay() -> None:
+            graphed(*data[next(count) % len(data)])
+
+        return replay
 
     def step() -> None:
         x, y = data[next(count) % len(data)]
@@ -301,13 +314,13 @@ def report(
                 )
     lines += [
         "\n## calls BNP adds per step (as a GPU launches them: nested calls seen, a foreach fallback per tensor, views "
-        "and allocations apart; the test's bound 5·L + 13)\n",
-        "| model | managed layers L | added calls | 5·L + 13 |",
+        "and allocations apart; the test's bound 5·L + 14)\n",
+        "| model | managed layers L | added calls | 5·L + 14 |",
         "|---|---|---|---|",
     ]
     for row in rows:
         added, layers = counts[row.key]
-        lines.append(f"| {row.name} | {layers} | {added} | {5 * layers + 13} |")
+        lines.append(f"| {row.name} | {layers} | {added} | {5 * layers + 14} |")
     lines.append(f"\nMeasuring took {elapsed:.0f} s.")
     return lines
 
@@ -378,7 +391,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
     parser.add_argument("--rows", default=None, help="comma-separated row keys, or 'all' (see ROWS)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes to keep (default: each row's)")
-    parser.add_argument("--modes", default="eager", help="eager,compiled")
+    parser.add_argument("--modes", default="eager", help="eager,compiled,graphed (graphed: CUDA only)")
     parser.add_argument("--precisions", default="fp32", help="fp32,bf16")
     parser.add_argument("--loops", default="plain", help="plain,lightning")
     parser.add_argument("--repeats", type=int, default=15, help="timed samples per entry (the median is reported)")

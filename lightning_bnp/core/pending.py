@@ -48,13 +48,22 @@ class PendingUpdate:
     ``GradScaler`` skips (non-finite gradients) leaves the statistics untouched.
     """
 
-    # (statistics, (m, v, t, ρ^t)): t and ρ^t as (1,) device tensors
+    # (statistics, (m, v, t, ρ^t)): views of the buffers that `writes` fill, t and ρ^t as (1,) device tensors
     items: list[tuple[RunningStatistics, tuple[Tensor, Tensor, Tensor, Tensor]]] = field(default_factory=list)
+    # (buffer, value, add): the state the step computed, copied (or added) into the step plan's buffers in place
+    writes: list[tuple[Tensor, Tensor, bool]] = field(default_factory=list)
 
     def commit(self) -> None:
+        for buffer, value, add in self.writes:
+            if add:
+                buffer.add_(value)
+            else:
+                buffer.copy_(value)
         for running, state in self.items:
-            running.assign(*state)
+            if running.mean_acc is not state[0] or running.decay is not state[3] or running._steps is not state[2]:
+                running.assign(*state)
         self.items.clear()
+        self.writes.clear()
 
 
 @dataclass

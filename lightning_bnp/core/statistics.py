@@ -119,10 +119,11 @@ class Moments:
 
 
 def _as_tensor(count: int | Tensor, like: Tensor) -> Tensor:
-    """A count as a float64 0-dim tensor on ``like``'s device."""
+    """A count as a float64 0-dim tensor on ``like``'s device (a fill, not a copy from the host: on CUDA a copy
+    from pageable host memory waits for the device, and cannot be captured in a CUDA graph)."""
     if isinstance(count, Tensor):
         return count
-    return torch.tensor(float(count), dtype=torch.float64, device=like.device)
+    return torch.full((), float(count), dtype=torch.float64, device=like.device)
 
 
 def statistics_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -208,17 +208,21 @@ class PreconditionerStep:
             entry_w = [grads_w[i] if n == 1 else ready[i][2] for i, n in spans]
             entry_b = [grads_b[i] if n == 1 else whole_bias_grad(ready[i][0]) for i, n in spans]
         means, variances = [m.mean for m in moments], [m.var for m in moments]
-        mu, var_t, after, steps, peak, q2_out = math(
-            layout, config, means, variances, running_mus, before, steps_before, counts, fan_in, q2_flat, entry_q2s,
+        mu, var_t, after, finite, peak, q2_out = math(
+            layout, config, means, variances, running_mus, before, counts, fan_in, q2_flat, entry_q2s,
             entry_w, entry_b,
         )  # fmt: skip
         if counts_on_device:
             q2s = list(q2_out.unbind(0))
         # (a layer this rank never ran has had its own warning: a NaN there is not reported again; one that saw no
         # row — every token padding — has a peak of 0: nothing to report)
-        self.warnings.owe([layer if layer.name not in not_run_here else None for layer, _, _ in ready], peak)
+        named = [layer if layer.name not in not_run_here else None for layer, _, _ in ready]
+        self.warnings.owe(named, peak, plan.alarm)
         if running:
-            pending.items.extend(zip(runnings, plan.state_after(after, steps)))
+            assert steps_before is not None
+            writes, views = plan.state_after(after, finite, steps_before)
+            pending.writes.extend(writes)
+            pending.items.extend(zip(runnings, views))
         for (layer, _, grad_w), mu_l, var_t_l, q2, grad_b in zip(
             ready, layout.split(mu), layout.split(var_t), q2s, grads_b
         ):

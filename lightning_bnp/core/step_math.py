@@ -45,7 +45,6 @@ def step_math(
     variances: list[Tensor],
     running_mus: list[Tensor],
     before: Tensor | None,
-    steps_before: Tensor | None,
     counts: Tensor | None,
     fan_in: Tensor | None,
     q2_flat: Tensor | None,
@@ -57,15 +56,16 @@ def step_math(
     the host, and traceable whole by ``torch.compile(fullgraph=True)``.
 
     The running state is one vector ``[m ; v ; d]`` (d = ρ^t + κ per layer, κ = ε2/(1 + ε1) in the paper's view
-    and 0 with bias correction: :class:`~lightning_bnp.core.statistics.RunningStatistics`) with step counts
-    ``steps_before``.
+    and 0 with bias correction: :class:`~lightning_bnp.core.statistics.RunningStatistics`); a layer's step count
+    grows by its entry of the returned ``finite``.
     ``counts``: (rows, samples, out positions) per layer when they were pooled over ranks (then q² is built
     here, and a layer that no rank ran keeps its state and gets M = I); else ``q2_flat`` and ``q2s`` are given.
     ``grads_w``, ``grads_b`` and ``q2s`` are per entry of the transform (``config.spans``): one per layer, or
     one for the n row blocks of one weight (the whole gradient and bias gradient, q² one float or (n, 1)).
 
     Returns:
-        (μ, σ̃², state after, steps after, per-layer max σ²_H before saturation, q² per layer when pooled);
+        (μ, σ̃², state after, per layer whether its moments were finite (it counts as a step), per-layer max σ²_H
+        before saturation, q² per layer when pooled);
         the gradients are transformed in place.
     """
     total = layout.total
@@ -91,14 +91,13 @@ def step_math(
     var_h.clamp_(max=layout.ceiling)  # an overflowed σ²_H saturates (the warning says so): variance_ceiling
     if not config.running:
         mu, var_t = mu_h, var_tilde(var_h, config.eps1, config.eps2, maxima=layout.layer_max(var_h))
-        after = steps = peak
+        after = finite = peak
     else:
-        assert before is not None and steps_before is not None
+        assert before is not None
         after = ema_update(before, batch, config.rho)  # [m ; v ; d] ← ρ[m ; v ; d] + (1−ρ)[μ_H ; σ²_H ; κ]
         # a layer whose moments are not finite keeps its state (and step count): P uses what was stored
         finite = torch.eq(peak, peak)
         after = torch.where(finite.index_select(0, layout.state_owner), after, before)
-        steps = steps_before + finite
         mean_acc, var_acc, decay = after[:total], after[total : 2 * total], after[2 * total :]
         if config.bias_correction:  # μ = m/(1 − ρ^t), σ² = v/(1 − ρ^t)
             scale = torch.reciprocal(1.0 - decay).index_select(0, layout.owner)
@@ -123,4 +122,4 @@ def step_math(
     mus = [m if grad_b is not None else None for m, grad_b in zip(mu.split_with_sizes(config.sizes), grads_b)]
     scales = (var_t * q2_flat).split_with_sizes(config.sizes)  # q²σ̃², all layers in one product
     precondition_scaled_(grads_w, grads_b, mus, scales, q2s, list(config.groups))
-    return mu, var_t, after, steps, peak, q2_out
+    return mu, var_t, after, finite, peak, q2_out

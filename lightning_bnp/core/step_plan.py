@@ -56,9 +56,15 @@ class StepPlan:
         self.row_runs = row_block_runs(layers)
         self.fan_in = torch.tensor([layer.fan_in for layer in layers], dtype=torch.float64, device=device)
         self.configs: dict[Any, StepConfig] = {}  # per N = 1 pattern and entries of the transform
-        # the state the previous step left (its flat vectors and the per-layer views it handed out), so that
-        # the next step can start from it without concatenating the layers' tensors again
-        self.last_state: tuple[Tensor, Tensor, list[tuple[Tensor, Tensor, Tensor, Tensor]]] | None = None
+        # the running state of these layers as two flat buffers that every committed step overwrites in place
+        # ([m ; v ; d] and the step counts) and the per-layer views of them the statistics hold: a step starts
+        # from them without concatenating the layers' tensors, and their addresses never change (what a CUDA
+        # graph that captured the step reads and writes on every replay)
+        self.state: Tensor | None = None
+        self.steps: Tensor | None = None
+        self.views: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+        # where a step captured in a CUDA graph keeps its per-layer max σ²_H for the warnings (StepWarnings.owe)
+        self.alarm = torch.zeros(len(layers), dtype=dtype, device=device)
 
     def config(self, settings: tuple[bool, bool, float, float, float], one_row: tuple[int, ...], spans: Any,
                ready: list[Ready]) -> StepConfig:  # fmt: skip
@@ -72,14 +78,13 @@ class StepPlan:
         return config
 
     def state_before(self, runnings: list[RunningStatistics], like: Tensor) -> tuple[Tensor, Tensor]:
-        """The committed ``[m ; v ; d]`` of every layer and their step counts, as flat vectors: the previous
-        step's own vectors when every layer still holds the views it handed out (no copy), else gathered."""
-        last = self.last_state
-        if last is not None and all(
+        """The committed ``[m ; v ; d]`` of every layer and their step counts, as flat vectors: the plan's buffers
+        when every layer still holds the views of them it was given (no copy), else gathered."""
+        if self.state is not None and all(
             r.mean_acc is m and r.var_acc is v and r._steps is t and r.decay is d
-            for r, (m, v, t, d) in zip(runnings, last[2])
+            for r, (m, v, t, d) in zip(runnings, self.views)
         ):
-            return last[0], last[1]
+            return self.state, self.steps  # type: ignore[return-value]
         for running in runnings:  # the model was moved or cast
             _follow(running, like)
         before = torch.cat([r.mean_acc for r in runnings] + [r.var_acc for r in runnings] + [r.decay for r in runnings])
@@ -91,26 +96,44 @@ class StepPlan:
         )
         return before, steps
 
-    def state_after(self, after: Tensor, steps: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        """Per-layer views ``(m, v, t, d)`` of the state a step computed, kept for the next :meth:`state_before`."""
-        layout, total = self.layout, self.layout.total
-        views = list(
-            zip(
-                layout.split(after[:total]),
-                layout.split(after[total : 2 * total]),
-                layout.split_layers(steps),
-                layout.split_layers(after[2 * total :]),
+    def state_after(
+        self, after: Tensor, finite: Tensor, steps_before: Tensor
+    ) -> tuple[list[tuple[Tensor, Tensor, bool]], list[tuple[Tensor, Tensor, Tensor, Tensor]]]:
+        """What storing the state a step computed takes: the in-place writes ``(buffer, value, add)`` of the plan's
+        buffers (the state ``after`` copied, the step counts grown by ``finite``) and the per-layer views
+        ``(m, v, t, d)`` of them that the statistics are then to hold."""
+        if steps_before is self.steps:  # the step started from the buffers: the counts grow in place
+            assert self.state is not None
+            return [(self.state, after, False), (self.steps, finite, True)], self.views
+        state = self.state
+        if state is None or state.shape != after.shape or state.dtype != after.dtype or state.device != after.device:
+            layout, total = self.layout, self.layout.total
+            state = self.state = torch.empty_like(after)
+            self.steps = torch.empty_like(steps_before)
+            self.views = list(
+                zip(
+                    layout.split(state[:total]),
+                    layout.split(state[total : 2 * total]),
+                    layout.split_layers(self.steps),
+                    layout.split_layers(state[2 * total :]),
+                )
             )
-        )
-        self.last_state = (after, steps, views)
-        return views
+        assert self.steps is not None
+        return [(state, after, False), (self.steps, steps_before + finite, False)], self.views
 
     def device_counts(self, moments: list[Moments]) -> Tensor:
         """(rows, samples, out positions) per layer as one float64 tensor on the statistics' device."""
         device = self.fan_in.device
         return torch.stack(
             [
-                torch.stack([torch.as_tensor(c, dtype=torch.float64, device=device) for c in counts])
+                torch.stack(
+                    [
+                        c.to(device, torch.float64)
+                        if isinstance(c, Tensor)
+                        else torch.full((), float(c), dtype=torch.float64, device=device)  # (no host copy: a fill)
+                        for c in counts
+                    ]
+                )
                 for counts in ((m.rows, m.samples, m.out_positions) for m in moments)
             ]
         )

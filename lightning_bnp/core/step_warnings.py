@@ -6,6 +6,12 @@ squares the dtype cannot hold) on the device, as its per-layer max σ²_H: the s
 :meth:`StepWarnings.owe` keeps a host copy of that vector (non-blocking on CUDA, with an event that says when it
 has arrived), and :meth:`StepWarnings.report` — called by the next step — warns about the copies that have
 arrived; :meth:`StepWarnings.flush` waits for the device and warns about all of them.
+
+A step captured in a CUDA graph (``torch.cuda.graph``) runs its Python once, at capture: a host copy made then would
+be refreshed by every replay but read by no later step. So while a stream is capturing, :meth:`StepWarnings.owe`
+folds the step's per-layer max σ²_H into a device vector of the step's plan instead (an elementwise maximum, which
+keeps a NaN and an Inf once seen): every replay adds its step to it, and :meth:`StepWarnings.flush` reads it,
+warns, and clears it. :meth:`StepWarnings.report` does nothing while capturing (it would query events).
 """
 
 from __future__ import annotations
@@ -78,10 +84,16 @@ class StepWarnings:
         self.warned: set[tuple[str, str]] = set()
         # per step: the layers (None: not to be named) and a host copy of their per-layer max σ²_H
         self.owed: list[tuple[list[ManagedLayer | None], tuple[Tensor, Any]]] = []
+        # per device vector a captured step folds its maxima into: the layers it names (None: not to be named)
+        self.captured: dict[int, tuple[list[ManagedLayer | None], Tensor]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        # CUDA events do not copy, and the warnings still owed for past steps are the original's to raise
-        return {**self.__dict__, "owed": []}
+        # CUDA events do not copy, and the warnings still owed for past steps are the original's to raise (so are
+        # those of the steps the original's CUDA graphs replay)
+        return {**self.__dict__, "owed": [], "captured": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"captured": {}, **state})
 
     def warn(self, layer: ManagedLayer, cause: str, message: str) -> None:
         """Warn about ``layer`` unless it was already warned about for ``cause``."""
@@ -91,35 +103,50 @@ class StepWarnings:
         message = f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}"
         warnings.warn(message, BNPWarning, stacklevel=user_stacklevel())
 
-    def owe(self, layers: list[ManagedLayer | None], peak: Tensor) -> None:
+    def owe(self, layers: list[ManagedLayer | None], peak: Tensor, alarm: Tensor) -> None:
         """Keep a host copy of a step's per-layer max σ²_H (``peak``: NaN where not finite, +Inf where it
-        overflowed, 0 where a layer saw no row); a ``None`` layer is not named."""
+        overflowed, 0 where a layer saw no row); a ``None`` layer is not named. While a CUDA graph captures the
+        step, fold ``peak`` into ``alarm`` (zeros of its shape, made before the capture) on the device instead."""
+        if peak.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            torch.maximum(alarm, peak, out=alarm)  # (NaN wins over any number, +Inf over any finite one)
+            self.captured[id(alarm)] = (layers, alarm)
+            return
         self.owed.append((layers, _host_copy(peak)))
 
     def report(self) -> None:
         """Warn about the layers whose statistics a past step found not finite or out of range — only those whose
         host copy has arrived (a step never waits)."""
+        if self.owed and isinstance(self.owed[0][1][1], torch.cuda.Event) and torch.cuda.is_current_stream_capturing():
+            return  # (an event query would end the capture)
         while self.owed:
             layers, (host, done) = self.owed[0]
             if done is not None and not done.query():
                 return
             self.owed.pop(0)
-            peaks = host.numpy()
-            if math.isfinite(peaks.sum()):  # the usual case: nothing to report (an inf sum falls through)
+            self._warn_about(layers, host)
+
+    def _warn_about(self, layers: list[ManagedLayer | None], host: Tensor) -> None:
+        peaks = host.numpy()
+        if math.isfinite(peaks.sum()):  # the usual case: nothing to report (an inf sum falls through)
+            return
+        for layer, peak in zip(layers, peaks.tolist()):
+            if layer is None:
                 continue
-            for layer, peak in zip(layers, peaks.tolist()):
-                if layer is None:
-                    continue
-                if math.isnan(peak):
-                    self.warn(layer, "non-finite", NON_FINITE if self.running else NON_FINITE_BATCH)
-                elif math.isinf(peak):
-                    root, name = math.sqrt(torch.finfo(host.dtype).max), str(host.dtype).removeprefix("torch.")
-                    message = OVERFLOW.format(dtype=name, root=root, ceiling=variance_ceiling(host.dtype))
-                    self.warn(layer, "overflow", message)
+            if math.isnan(peak):
+                self.warn(layer, "non-finite", NON_FINITE if self.running else NON_FINITE_BATCH)
+            elif math.isinf(peak):
+                root, name = math.sqrt(torch.finfo(host.dtype).max), str(host.dtype).removeprefix("torch.")
+                message = OVERFLOW.format(dtype=name, root=root, ceiling=variance_ceiling(host.dtype))
+                self.warn(layer, "overflow", message)
 
     def flush(self) -> None:
-        """:meth:`report` every copy owed, waiting for the device."""
+        """:meth:`report` every copy owed, waiting for the device, and the maxima that replays of captured steps
+        folded in since the last flush (which it clears)."""
         for _, (_, done) in self.owed:
             if done is not None:
                 done.synchronize()
         self.report()
+        for layers, alarm in self.captured.values():
+            host = alarm.cpu()
+            alarm.zero_()
+            self._warn_about(layers, host)

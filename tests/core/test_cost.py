@@ -17,17 +17,18 @@ from lightning_bnp.core.transform import precondition_, q_squared, var_tilde
 
 
 @pytest.mark.parametrize("name", list(standard_models()))
-def test_bnp_adds_no_host_read_and_at_most_five_calls_per_layer_plus_thirteen(name: str) -> None:
+def test_bnp_adds_no_host_read_and_at_most_five_calls_per_layer_plus_fourteen(name: str) -> None:
     """Counted as a GPU's host pays them (``benchmarks.op_count``: the profiler sees nested calls; a foreach call that
     falls back counts per tensor): no read back to the host, and per managed layer the statistics of each
     forward call (on the CPU two calls for a Linear: ``batch_norm_update_stats`` and the exact ``mean(0)``; one
     ``var_mean`` on CUDA; one for a convolution) and the transform's three calls (G_w − μ·G_b, ÷ q²σ̃², the bias
-    update; fewer for a bias-free layer or a q, k, v run), plus the step's 13 calls for all layers. L counts
+    update; fewer for a bias-free layer or a q, k, v run), plus the step's 14 calls for all layers (one of them the
+    copy of the new state into the plan's buffer, in place: what a CUDA graph replays). L counts
     each q/k/v block: the encoder has 13 layers, the benchmark ViT 14, the char-LM 13."""
     make, x, y = standard_models()[name]
     added, layers = added_cost(make, x, y)
     assert added.host_reads == 0, added.by_name
-    assert added.calls <= 5 * layers + 13, f"{name}: {added.calls} calls for {layers} layers: {added.by_name}"
+    assert added.calls <= 5 * layers + 14, f"{name}: {added.calls} calls for {layers} layers: {added.by_name}"
     expected = {"Transformer encoder": 13, "ViT": 14, "char-LM": 13}
     for prefix, count in expected.items():
         if name.startswith(prefix):

@@ -193,6 +193,6 @@ def test_the_graph_step_gets_tensor_q2s_with_one_entry_per_run_and_transforms_as
     assert all(config is configs[0] for config in configs)  # built once for the layout
     assert configs[0].spans == ((0, 1), (1, 3), (4, 1), (5, 3), (8, 1))
     for call in recorder.calls:
-        q2s = call[10]
+        q2s = call[9]
         assert [tuple(q.shape) for q in q2s] == [(), (3, 1), (), (3, 1), ()]
         assert [q.tolist() for q in q2s] == [E / 2, [[E / 2], [E / 5], [E / 5]], E / 2, [[E / 2]] * 3, E / 2]

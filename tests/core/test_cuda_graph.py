@@ -1,0 +1,168 @@
+"""A training step with BNP captured once in a CUDA graph and replayed (``GraphedTrainingStep``, the recipe of the
+docs' "CUDA graphs" guide) equals the eager run step for step: parameters and running statistics after each of 53
+steps (3 eager warm-up steps, then 50 replays), for running statistics with and without bias correction, batch
+statistics, token masks, and channel and column statistics of convolutions. Non-finite statistics in a replayed
+step leave the statistics as they were and are warned about by ``flush_warnings()``. CUDA only."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_bnp.core import BNPPreconditioner, BNPWarning, GraphedTrainingStep
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+STEPS = 53  # 3 warm-up steps and 50 replays
+
+
+class TokenNet(nn.Module):
+    """Per-token Linears on (B, T, F) and a mean over the real tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.hidden, self.out = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.hidden(torch.relu(self.inp(x))).relu()
+        w = mask.unsqueeze(-1).to(h.dtype)
+        return self.out((h * w).sum(1) / w.sum(1).clamp_min(1.0))
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3, bias=False))
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, groups=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 3 * 3, 3),
+    )
+
+
+def _batches(kind: str, n: int = STEPS, batch: int = 16) -> list[tuple[Tensor, ...]]:
+    g = torch.Generator().manual_seed(7)
+    out: list[tuple[Tensor, ...]] = []
+    for _ in range(n):
+        y = torch.randint(0, 3, (batch,), generator=g)
+        if kind == "cnn":
+            x = torch.randn(batch, 2, 8, 8, generator=g) * torch.tensor([0.3, 3.0]).view(1, 2, 1, 1) + 0.5
+            out.append((x.cuda(), y.cuda()))
+        elif kind == "tokens":
+            x = torch.randn(batch, 5, 6, generator=g) * torch.logspace(-1, 1, 6) + 0.5
+            mask = torch.arange(5).expand(batch, 5) < torch.randint(1, 6, (batch, 1), generator=g)
+            out.append((x.cuda(), y.cuda(), mask.cuda()))
+        else:
+            x = torch.randn(batch, 6, generator=g) * torch.logspace(-1, 1, 6) + 0.5
+            out.append((x.cuda(), y.cuda()))
+    return out
+
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "running": ("mlp", {}),
+    "running, bias correction": ("mlp", {"bias_correction": True}),
+    "batch statistics": ("mlp", {"statistics": "batch"}),
+    "token masks": ("tokens", {}),
+    "conv channel statistics": ("cnn", {"conv_statistics": "channel"}),
+    "conv column statistics": ("cnn", {"conv_statistics": "column", "bias_correction": True}),
+}
+
+
+def _make(kind: str, options: dict[str, Any], adam: bool) -> tuple[nn.Module, BNPPreconditioner, Any, Callable]:
+    torch.manual_seed(0)
+    model = {"mlp": _mlp, "cnn": _cnn, "tokens": TokenNet}[kind]().cuda()
+    pre = BNPPreconditioner(model, **options)
+    if adam:
+        opt: Any = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def loss_of(x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
+        if mask is None:
+            return nn.functional.cross_entropy(model(x), y)
+        pre.set_token_mask(mask)  # the captured hooks read this (static) mask on every replay
+        return nn.functional.cross_entropy(model(x, mask), y)
+
+    return model, pre, opt, loss_of
+
+
+def _state(model: nn.Module, pre: BNPPreconditioner) -> dict[str, Tensor]:
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for name, layer in pre.layers.items():
+        r = layer.running
+        state[f"{name}.m"], state[f"{name}.v"] = r.mean_acc.clone(), r.var_acc.clone()
+        state[f"{name}.d"] = r.decay.clone()
+        state[f"{name}.t"] = torch.as_tensor(r._steps).clone()
+    return state
+
+
+def _eager_states(kind: str, options: dict[str, Any], adam: bool, data: list[tuple[Tensor, ...]]) -> list[dict]:
+    model, pre, opt, loss_of = _make(kind, options, adam)
+    states = []
+    for batch in data:
+        opt.zero_grad(set_to_none=True)
+        loss_of(*batch).backward()
+        pre.step(opt)
+        opt.step()
+        states.append(_state(model, pre))
+    return states
+
+
+@pytest.mark.parametrize("adam", [False, True], ids=["sgd-momentum", "adam-capturable"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_replayed_step_equals_the_eager_step_for_step(case: str, adam: bool) -> None:
+    kind, options = CASES[case]
+    data = _batches(kind)
+    expected = _eager_states(kind, options, adam, data)
+    model, pre, opt, loss_of = _make(kind, options, adam)
+    graphed = GraphedTrainingStep(loss_of, opt, pre, warmup_steps=3)
+    worst = 0.0
+    for step, (batch, want) in enumerate(zip(data, expected)):
+        graphed(*batch)
+        assert graphed.captured == (step >= 3)
+        got = _state(model, pre)
+        for name, value in want.items():
+            diff = (got[name].double() - value.double()).abs().max().item() if value.numel() else 0.0
+            worst = max(worst, diff)
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
+    if options.get("statistics") != "batch":
+        assert all(layer.running.steps == STEPS for layer in pre.layers.values())
+    print(f"{case}, {'adam' if adam else 'sgd'}: largest difference {worst:.2e}")
+
+
+def test_a_non_finite_replayed_step_keeps_the_statistics_and_flush_warnings_names_the_layer() -> None:
+    data = _batches("mlp", n=6)
+    model, pre, opt, loss_of = _make("mlp", {}, adam=False)
+    graphed = GraphedTrainingStep(loss_of, opt, pre, warmup_steps=3)
+    for batch in data[:4]:
+        graphed(*batch)
+    first = pre.layers["0"].running
+    kept = (first.mean_acc.clone(), first.var_acc.clone(), first.steps)
+    x, y = data[4]
+    bad = x.clone()
+    bad[0, 2] = float("nan")
+    graphed(bad, y)  # replayed: the first layer's statistics are not finite
+    torch.testing.assert_close(first.mean_acc, kept[0], rtol=0, atol=0)
+    torch.testing.assert_close(first.var_acc, kept[1], rtol=0, atol=0)
+    assert first.steps == kept[2]
+    with torch.no_grad():  # (the NaN reached the loss: clear it from the weights and momenta, in place)
+        for p in model.parameters():
+            p.nan_to_num_(0.0)
+        for state in opt.state.values():
+            state["momentum_buffer"].nan_to_num_(0.0)
+    with pytest.warns(BNPWarning, match=r"'0'.*not finite"):
+        pre.flush_warnings()
+    graphed(*data[5])  # a finite replay counts again, and the cleared vector has nothing more to say
+    assert first.steps == kept[2] + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)
+        pre.flush_warnings()
