@@ -18,7 +18,12 @@ if [[ $what == compile || $what == all ]]; then
   timeout 200 python3 -m benchmarks.reduce_overhead --batch 60 2>&1 | tee "$OUT/reduce_overhead.log" | grep -v "^USDT" | tail -30
 fi
 if [[ $what == table || $what == all ]]; then
-  timeout 300 python3 -m benchmarks.overhead --device cuda --rows fc,cnn,resnet20,resnet110,resnet50,vit,charlm \
-    --batches 2,16,32,60,64,128,256,512 --modes eager,graphed --repeats 7 2>&1 | tee "$OUT/overhead.log" | grep -v "^USDT" | tail -60
+  timeout 230 python3 -m benchmarks.overhead --device cuda --rows fc,cnn,resnet20,resnet110,resnet50,vit,charlm \
+    --batches 2,16,32,60,64,128,256,512 --modes eager,graphed --repeats 7 2>&1 | tee "$OUT/overhead.log" | grep -v "^USDT" | tail -45
   cp benchmarks/out/overhead_cuda.md benchmarks/out/overhead_cuda.png "$OUT/" 2>/dev/null
+fi
+if [[ $what == compiled-table || $what == all ]]; then
+  timeout 170 python3 -m benchmarks.overhead --device cuda --rows fc,resnet20 --batches 60,128 --modes compiled+graphed \
+    --repeats 7 --tag _compiled_graphed 2>&1 | tee "$OUT/overhead_compiled.log" | grep -v "^USDT\|perf_hints" | tail -25
+  cp benchmarks/out/overhead_cuda_compiled_graphed.md "$OUT/" 2>/dev/null
 fi

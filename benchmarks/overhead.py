@@ -13,7 +13,8 @@ the order rotated each repeat, so that load from other processes lands on all al
 step is reported and every ratio compares entries of the same mode, precision and loop:
 
 * mode ``eager``, ``compiled`` (``torch.compile(model)`` after BNP registered its hooks, and BNP's step compiled)
-  or ``graphed`` (CUDA only: the whole step captured in a CUDA graph and replayed, ``GraphedTrainingStep``);
+  ``graphed`` (CUDA only: the whole step captured in a CUDA graph and replayed, ``GraphedTrainingStep``) or
+  ``compiled+graphed`` (both: the compiled network and step, captured);
 * precision ``fp32`` or ``bf16`` (``torch.autocast``);
 * loop ``plain`` (zero_grad, forward, backward, ``pre.step()``, SGD step) or ``lightning`` (the same
   network in a LightningModule with the ``BatchNormPreconditioning`` callback, timed from batch start to
@@ -163,17 +164,18 @@ def plain_step(row: Row, batch: int, key: Key, device: torch.device) -> Step:
     torch.manual_seed(0)
     model = row.make(norm_of(row, key.variant)).to(device).train()
     pre = BNPPreconditioner(model) if key.variant == "BNP" else None
-    forward = torch.compile(model) if key.mode == "compiled" else model
-    if pre is not None and key.mode == "compiled":  # the step's tensor work compiled too (issue 28)
+    compiled = key.mode in ("compiled", "compiled+graphed")
+    forward = torch.compile(model) if compiled else model
+    if pre is not None and compiled:  # the step's tensor work compiled too (issue 28)
         pre.compile_step()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = batches(row, batch, device)
     count = iter(range(1 << 62))
-    if key.mode == "graphed":  # the whole step captured in a CUDA graph and replayed (GraphedTrainingStep)
+    if key.mode in ("graphed", "compiled+graphed"):  # the whole step captured in a CUDA graph and replayed
 
         def loss_of(x: Tensor, y: Tensor) -> Tensor:
             with autocast(device, key.precision):
-                return nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten())
+                return nn.functional.cross_entropy(forward(x).flatten(0, -2), y.flatten())
 
         graphed = GraphedTrainingStep(loss_of, opt, pre)
 
@@ -391,12 +393,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
     parser.add_argument("--rows", default=None, help="comma-separated row keys, or 'all' (see ROWS)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes to keep (default: each row's)")
-    parser.add_argument("--modes", default="eager", help="eager,compiled,graphed (graphed: CUDA only)")
+    parser.add_argument("--modes", default="eager", help="eager,compiled,graphed,compiled+graphed (graphed: CUDA only)")
     parser.add_argument("--precisions", default="fp32", help="fp32,bf16")
     parser.add_argument("--loops", default="plain", help="plain,lightning")
     parser.add_argument("--repeats", type=int, default=15, help="timed samples per entry (the median is reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
     parser.add_argument("--quick", action="store_true", help="tiny repeats: a smoke test")
+    parser.add_argument("--tag", default="", help="appended to the output files' names")
     args = parser.parse_args()
     device = torch.device(args.device)
     # every entry compiles its own model of a shared class: Dynamo must tell them apart by their hooks (by
@@ -440,7 +443,7 @@ def main() -> None:
     lines = report(rows, med, counts, f"BNP cost per training step ({setup})", elapsed)
     print("\n".join(lines))
     OUT.mkdir(exist_ok=True)
-    tag = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
+    tag = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}") + args.tag
     (OUT / f"overhead{tag}.md").write_text("\n".join(lines) + "\n")
     plot(rows, med, OUT / f"overhead{tag}.png", setup)
     print(f"wrote {OUT / f'overhead{tag}.md'} and {OUT / f'overhead{tag}.png'}")

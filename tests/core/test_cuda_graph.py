@@ -89,7 +89,7 @@ def _make(kind: str, options: dict[str, Any], adam: bool) -> tuple[nn.Module, BN
     def loss_of(x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
         if mask is None:
             return nn.functional.cross_entropy(model(x), y)
-        pre.set_token_mask(mask)  # the captured hooks read this (static) mask on every replay
+        pre.set_token_mask(mask, layers=["inp", "hidden"])  # the captured hooks read this mask on every replay
         return nn.functional.cross_entropy(model(x, mask), y)
 
     return model, pre, opt, loss_of
