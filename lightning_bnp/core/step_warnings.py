@@ -72,6 +72,11 @@ def _host_copy(flat: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
     return host, done
 
 
+def _captured(peak: Tensor) -> bool:
+    """Whether the step that computed ``peak`` is being captured in a CUDA graph."""
+    return peak.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class StepWarnings:
     """:class:`~lightning_bnp.core.layers.BNPWarning` s of a preconditioner, each once per layer and cause.
 
@@ -107,7 +112,7 @@ class StepWarnings:
         """Keep a host copy of a step's per-layer max σ²_H (``peak``: NaN where not finite, +Inf where it
         overflowed, 0 where a layer saw no row); a ``None`` layer is not named. While a CUDA graph captures the
         step, fold ``peak`` into ``alarm`` (zeros of its shape, made before the capture) on the device instead."""
-        if peak.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if _captured(peak):
             torch.maximum(alarm, peak, out=alarm)  # (NaN wins over any number, +Inf over any finite one)
             self.captured[id(alarm)] = (layers, alarm)
             return
@@ -147,6 +152,6 @@ class StepWarnings:
                 done.synchronize()
         self.report()
         for layers, alarm in self.captured.values():
-            host = alarm.cpu()
+            host = alarm.to("cpu", copy=True)  # (a copy also on the CPU: the vector is cleared next)
             alarm.zero_()
             self._warn_about(layers, host)

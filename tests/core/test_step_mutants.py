@@ -64,7 +64,7 @@ def assert_same_parameters(model: nn.Module, reference: nn.Module) -> None:
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
 
 
-def test_the_graph_step_gets_every_option_and_its_own_copy_of_step_math_named_step_math(
+def test_compile_step_gives_every_option_and_its_own_copy_of_step_math_named_step_math(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``compile_step(**options)`` passes every option on, with ``fullgraph=True``, and compiles a copy of

@@ -1,0 +1,86 @@
+"""The warnings of steps captured in a CUDA graph, on the CPU: with ``_captured`` forced true, a step folds its
+per-layer max σ²_H into its plan's device vector (elementwise maximum: a NaN and an Inf stick) instead of keeping a
+host copy, and ``flush_warnings`` reads that vector, warns by layer and cause, and clears it. A copy of the warnings
+(pickle) leaves the original's captured vectors behind, and one pickled before they existed loads. (The replays
+themselves: ``test_cuda_graph.py``, on a GPU.)"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_bnp.core.step_warnings as step_warnings
+from lightning_bnp.core import BNPPreconditioner, BNPWarning
+from lightning_bnp.core.step_warnings import StepWarnings
+
+
+def _step(net: nn.Module, pre: BNPPreconditioner, x: torch.Tensor) -> None:
+    net(x).sum().backward()
+    pre.step()
+    net.zero_grad(set_to_none=True)
+
+
+def _messages(pre: BNPPreconditioner) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", BNPWarning)
+        pre.flush_warnings()
+    return [str(w.message) for w in caught if issubclass(w.category, BNPWarning)]
+
+
+def test_captured_steps_fold_their_maxima_and_flush_names_each_layer_once_then_clears(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    pre = BNPPreconditioner(net)
+    _step(net, pre, torch.randn(5, 3))  # (eager: the plan and its vector are made here)
+    [plan] = pre._step.plans.values()
+    monkeypatch.setattr(step_warnings, "_captured", lambda peak: True)
+    x = torch.randn(5, 3)
+    x[0, 1] = float("nan")
+    _step(net, pre, x)  # NaN into the first layer (and from it into the second)
+    assert torch.isnan(plan.alarm).all()
+    _step(net, pre, torch.randn(5, 3))  # a finite step does not clear what was seen
+    assert torch.isnan(plan.alarm).all()
+    assert pre._warnings.owed == []  # no host copy while capturing
+    messages = _messages(pre)
+    assert [m.split(":")[0] for m in messages] == ["BNP layer '0' (Linear)", "BNP layer '1' (Linear)"]
+    assert all("not finite" in m for m in messages)
+    assert plan.alarm.tolist() == [0.0, 0.0]  # cleared by the flush
+
+
+def test_an_overflow_in_a_captured_step_is_named_as_an_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    pre = BNPPreconditioner(net)
+    _step(net, pre, torch.randn(5, 3))
+    monkeypatch.setattr(step_warnings, "_captured", lambda peak: True)
+    x = torch.randn(5, 3)
+    x[:, 2] *= 1e30  # finite inputs whose squares overflow float32
+    _step(net, pre, x)
+    [plan] = pre._step.plans.values()
+    assert plan.alarm.tolist() == [float("inf")]
+    [message] = _messages(pre)
+    assert message.startswith("BNP layer ")
+    assert "overflows float32" in message
+
+
+def test_a_copy_leaves_the_captured_vectors_behind_and_an_older_pickle_loads() -> None:
+    original = StepWarnings(running=True)
+    original.captured[1] = ([None], torch.full((1,), float("nan")))
+    for clone in (copy.deepcopy(original), pickle.loads(pickle.dumps(original))):
+        assert clone.captured == {} and clone.owed == [] and clone.running
+    assert len(original.captured) == 1
+    older = StepWarnings.__new__(StepWarnings)  # as pickled before captured steps existed
+    older.__setstate__({"running": False, "warned": {("a", "non-finite")}, "owed": []})
+    assert older.captured == {} and older.warned == {("a", "non-finite")} and not older.running
+    older.flush()  # nothing owed, nothing captured
+    newer = StepWarnings.__new__(StepWarnings)
+    kept = ([None], torch.zeros(1))
+    newer.__setstate__({"running": True, "warned": set(), "owed": [], "captured": {7: kept}})
+    assert newer.captured == {7: kept}  # a state that has it keeps it
