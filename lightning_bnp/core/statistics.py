@@ -98,10 +98,11 @@ class Moments:
     def pack(self) -> Tensor:
         """Flatten to one float64 vector ``[rows, samples, out_positions, mean…, var…]`` (for collectives)."""
         counts = (self.rows, self.samples, self.out_positions)
-        if any(isinstance(c, Tensor) for c in counts):
+        if self.mean.device.type != "cpu" or any(isinstance(c, Tensor) for c in counts):
+            # (fills: a copy of host ints to a GPU would wait for every kernel queued before it)
             head = torch.stack([_as_tensor(c, self.mean) for c in counts])
         else:
-            head = torch.tensor(counts, dtype=torch.float64, device=self.mean.device)
+            head = torch.tensor(counts, dtype=torch.float64)
         return torch.cat([head, self.mean.double(), self.var.double()])
 
     @staticmethod
