@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core.kinds import LayerKind, ModelScan
+from lightning_bnp.core.kinds import LayerKind, ModelScan, layer_name, module_name
 from lightning_bnp.core.model_scan import kinds_of
 from lightning_bnp.core.reparametrization import unsupported
 
@@ -129,7 +129,7 @@ def _reason(
     names = scan.claimer_names(owner) or (
         owner_name,
         owner_name.rpartition(".")[0],
-        *(f"{owner_name}{k.suffix}" for k in kinds),
+        *(layer_name(owner_name, k) for k in kinds),
     )
     if include is not None and not any(fnmatchcase(n, p) for n in names for p in include):
         return f"not matched by `include` {list(include)}"
@@ -156,4 +156,5 @@ def _missing_blocks(
     feeding = {(id(m), other.kind.name) for other in layers if other.weight is p for m in other.modules.values()}
     module = layer.module
     expected = [k for k in kinds_of(module, known) if _weight_of(k, module) is p]
-    return [layer.name[: -len(layer.kind.suffix)] + k.suffix for k in expected if (id(module), k.name) not in feeding]
+    owner = module_name(layer.name, layer.kind)
+    return [layer_name(owner, k) for k in expected if (id(module), k.name) not in feeding]

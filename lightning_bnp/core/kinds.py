@@ -58,6 +58,8 @@ __all__ = [
     "ModelScan",
     "TransformersConv1DKind",
     "layer_kinds",
+    "layer_name",
+    "module_name",
     "register_built_in_kinds",
     "register_layer_kind",
     "select_layer_kinds",
@@ -357,6 +359,22 @@ class EmbeddingKind(LayerKind):
         return token_moments(h, int(module.num_embeddings), module.padding_idx, dtype, real)  # type: ignore[arg-type]
 
 
+def layer_name(module_name: str, kind: LayerKind) -> str:
+    """The name of the layer ``kind`` makes of the module ``module_name``: ``<module name><suffix>`` (``attn.q``), and
+    for the root module (``""``) the suffix without its leading dot (``q``, ``fc``: the name ``include``/``exclude``
+    patterns, the state and the messages use)."""
+    return module_name + kind.suffix if module_name else kind.suffix.removeprefix(".")
+
+
+def module_name(name: str, kind: LayerKind) -> str:
+    """The name of the module whose ``kind`` layer is named ``name`` (the inverse of :func:`layer_name`)."""
+    if not kind.suffix:
+        return name
+    if name.endswith(kind.suffix):
+        return name[: -len(kind.suffix)]
+    return "" if name == layer_name("", kind) else name
+
+
 _REGISTRY: dict[str, LayerKind] = {}
 _BUILT_IN: set[str] = set()  # registered by lightning_bnp.core.builtin_kinds: never unregistered
 
@@ -447,7 +465,7 @@ class ModelScan:
     def claimer_names(self, module: nn.Module) -> tuple[str, ...]:
         """The names under which ``include``/``exclude`` select a claimed module: its parents' names and their
         layers' names (``attn``, ``attn.out_proj``); empty for a module no kind claims."""
-        return tuple(n for name, kind in self.claims.get(id(module), ()) for n in (name, f"{name}{kind.suffix}"))
+        return tuple(n for name, kind in self.claims.get(id(module), ()) for n in (name, layer_name(name, kind)))
 
 
 def select_layer_kinds(
@@ -458,7 +476,7 @@ def select_layer_kinds(
     claims, kept or dropped by ``include``/``exclude`` (validated pattern lists:
     :func:`~lightning_bnp.core.validation.check_patterns`) as :func:`~lightning_bnp.core.selection.select_layers`
     does (patterns match module names); a layer's name is its module's name plus its kind's
-    :attr:`~LayerKind.suffix`.
+    :attr:`~LayerKind.suffix` (:func:`layer_name`).
 
     Raises:
         ValueError: a pattern that matches no candidate, or nothing left to manage.
@@ -466,20 +484,19 @@ def select_layer_kinds(
     layer_types, found = scan.layer_types, scan.kinds
     candidates = {name: m for name, m in scan.modules.items() if found[name] and id(m) not in scan.claims}
     # patterns match a module's name or a layer's (module name + suffix: `attn.q`, `attn.out_proj`)
-    names = {name: [name + k.suffix for k in found[name]] for name in candidates}
+    names = {name: [layer_name(name, k) for k in found[name]] for name in candidates}
     every = {n for name, layer_names in names.items() for n in (name, *layer_names)}
     kept = filter_by_name({n: nn.Module() for n in every}, layer_types, include, None)
     filter_by_name({n: nn.Module() for n in every}, layer_types, None, exclude)  # exclude patterns must match
     selected = {}
     for name, m in candidates.items():
         for kind in found[name]:
-            layer_name = name + kind.suffix
-            both = (name, layer_name)
+            both = (name, layer_name(name, kind))
             if include is not None and not any(n in kept for n in both):
                 continue
             if any(fnmatchcase(n, p) for n in both for p in exclude or ()):
                 continue
-            selected[layer_name] = (m, kind)
+            selected[both[1]] = (m, kind)
     if not selected:
         raise ValueError(
             f"no {'/'.join(layer_types)} layer is left for BNP after include={include!r}, "
