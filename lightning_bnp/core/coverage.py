@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core.kinds import LayerKind, ModelScan, layer_name, module_name
+from lightning_bnp.core.kinds import LayerKind, ModelScan
 from lightning_bnp.core.model_scan import kinds_of
-from lightning_bnp.core.reparametrization import unsupported
+from lightning_bnp.core.selection import layer_name, module_name
 
 if TYPE_CHECKING:
     from lightning_bnp.core.layers import ManagedLayer
@@ -105,11 +105,13 @@ def _reason(
     owner = scan.modules.get(owner_name)
     if owner is None:
         return "not held by a module BNP can find"
-    why = unsupported(owner)
+    kinds, selected_kinds = scan.applicable[owner_name], scan.selected_kinds
+    # by the names of the tensors its kinds feed: a module no kind applies to is a layer type BNP does not know,
+    # whatever its `weight` or `bias` attribute is (nn.LSTM's `bias` is a flag)
+    why = next((w for k in kinds if (w := k.reparametrized(owner)) is not None), None)
     if why is not None:  # README "Reparametrized layers"
         return f"left alone: {why}"
     cls = parametrize.type_before_parametrizations(owner)  # a `ParametrizedLinear` is named Linear
-    kinds, selected_kinds = scan.applicable[owner_name], scan.selected_kinds
     if isinstance(owner, nn.Embedding) and not any(k in selected_kinds for k in kinds):
         return "embedding (embeddings=False)"
     if isinstance(owner, nn.EmbeddingBag):
@@ -129,7 +131,7 @@ def _reason(
     names = scan.claimer_names(owner) or (
         owner_name,
         owner_name.rpartition(".")[0],
-        *(layer_name(owner_name, k) for k in kinds),
+        *(layer_name(owner_name, k.suffix) for k in kinds),
     )
     if include is not None and not any(fnmatchcase(n, p) for n in names for p in include):
         return f"not matched by `include` {list(include)}"
@@ -156,5 +158,5 @@ def _missing_blocks(
     feeding = {(id(m), other.kind.name) for other in layers if other.weight is p for m in other.modules.values()}
     module = layer.module
     expected = [k for k in kinds_of(module, known) if _weight_of(k, module) is p]
-    owner = module_name(layer.name, layer.kind)
-    return [layer_name(owner, k) for k in expected if (id(module), k.name) not in feeding]
+    owner = module_name(layer.name, layer.kind.suffix)
+    return [layer_name(owner, k.suffix) for k in expected if (id(module), k.name) not in feeding]

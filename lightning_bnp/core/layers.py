@@ -16,8 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from lightning_bnp.core.kinds import layer_name
 from lightning_bnp.core.reparametrization import NO_LEAF, weight_leaf
+from lightning_bnp.core.selection import layer_name
 from lightning_bnp.core.stack import user_stacklevel
 from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics_dtype
 from lightning_bnp.core.transform import precondition_
@@ -162,7 +162,7 @@ def make_layers(
     for name, module in scan.modules.items():  # any other module holding a managed weight (e.g. a tied embedding)
         if id(module) in modules or isinstance(module, parametrize.ParametrizationList):
             continue
-        if any(layer_name(parent, kind) in names for parent, kind in scan.claims.get(id(module), ())):
+        if any(layer_name(parent, kind.suffix) in names for parent, kind in scan.claims.get(id(module), ())):
             continue  # a managed layer's kind feeds it in its place (an attention's out_proj)
         for parameter in module._parameters.values():
             owner = managed.get(id(parameter))

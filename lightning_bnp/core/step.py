@@ -22,7 +22,6 @@ from lightning_bnp.core.gradients import bias_grad, weight_grad, whole_bias_grad
 from lightning_bnp.core.layers import NO_LEAF, ManagedLayer, StepTransform
 from lightning_bnp.core.pending import PendingUpdate
 from lightning_bnp.core.pooling import local_moments, pool_over_ranks, pools_over_ranks
-from lightning_bnp.core.reparametrization import unsupported
 from lightning_bnp.core.step_math import step_math
 from lightning_bnp.core.step_plan import Ready, StepPlan, row_block_spans
 from lightning_bnp.core.step_warnings import NEVER_RAN, REPARAMETRIZED, TWICE, StepWarnings
@@ -141,7 +140,7 @@ class PreconditionerStep:
         """False; names (once) a layer reparametrized since setup in a way BNP cannot follow (README
         'Reparametrized layers'): its weight leaf is then ``NO_LEAF`` and it is skipped like a frozen layer."""
         if layer.weight is NO_LEAF:
-            self.warnings.warn(layer, "reparametrized", f"{REPARAMETRIZED}: {unsupported(layer.module)}.")
+            self.warnings.warn(layer, "reparametrized", f"{REPARAMETRIZED}: {layer.kind.reparametrized(layer.module)}.")
         return False
 
     def _transformed_already(self, layer: ManagedLayer, grad: Tensor) -> bool:

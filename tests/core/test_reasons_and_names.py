@@ -4,11 +4,18 @@ with other tensors than the module's), and a layer of the root module is named w
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrizations
 
 from lightning_bnp import BNPPreconditioner
+from lightning_bnp.core.kinds import LayerKind, register_layer_kind, unregister_layer_kind
+from lightning_bnp.core.layers import BNPWarning
 
 
 class RootFunctional(nn.Module):
@@ -39,5 +46,96 @@ def test_the_blocks_of_a_root_attention_are_named_q_k_v_and_out_proj() -> None:
     assert list(pre.layers) == ["q", "v", "out_proj"]
     assert pre.skipped == {
         "in_proj_weight": "row blocks ['k'] of it dropped by `include`/`exclude`; the others are transformed"
+    }
+    pre.detach()
+
+
+@pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU, nn.RNN])
+def test_a_recurrent_layers_weights_are_named_as_an_unknown_layer_type_not_by_its_bias_flag(
+    rnn: type[nn.Module],
+) -> None:
+    """``nn.LSTM``'s ``bias`` is a bool flag, not a tensor: the reason is the layer type BNP does not know."""
+    model = nn.ModuleDict({"rnn": rnn(3, 4), "head": nn.Linear(4, 2)})
+    pre = BNPPreconditioner(model)
+    unknown = f"unknown layer type torch.nn.modules.rnn.{rnn.__name__} (teach BNP with register_layer_kind)"
+    assert pre.skipped == {"rnn.weight_ih_l0": unknown, "rnn.weight_hh_l0": unknown}
+    pre.detach()
+
+
+class Scaled(nn.Module):
+    """A linear layer ``x @ w.T + b`` with a ``bias`` attribute that is not its bias (a flag, or a buffer)."""
+
+    def __init__(self, bias: object) -> None:
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(4))
+        if isinstance(bias, torch.Tensor):
+            self.register_buffer("bias", bias)
+        else:
+            self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w.t() + self.b
+
+
+class ScaledKind(LayerKind):
+    name = "Scaled"
+    module_type = Scaled
+    weight_name = "w"
+    bias_name = "b"
+
+
+@pytest.fixture
+def scaled_kind() -> Iterator[None]:
+    register_layer_kind(ScaledKind())
+    yield
+    unregister_layer_kind(ScaledKind.name)
+
+
+@pytest.mark.usefixtures("scaled_kind")
+@pytest.mark.parametrize("bias", [True, torch.zeros(4)], ids=["bool flag", "buffer"])
+def test_a_registered_kind_is_checked_by_its_own_weight_and_bias_names(bias: object) -> None:
+    """A kind with ``weight_name="w"``, ``bias_name="b"``: the module's own ``bias`` attribute is not its bias, so
+    it does not make BNP leave the layer alone; the layer is managed and transformed as an ``nn.Linear`` is."""
+    torch.manual_seed(0)
+    scaled = Scaled(bias)
+    linear = nn.Linear(3, 4)
+    with torch.no_grad():
+        linear.weight.copy_(scaled.w)
+        linear.bias.copy_(scaled.b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)
+        pre = BNPPreconditioner(nn.Sequential(scaled), layer_types=["Scaled"])
+        reference = BNPPreconditioner(nn.Sequential(linear))
+    assert list(pre.layers) == ["0"] and pre.skipped == {}
+    x = torch.randn(8, 3) + 1.0
+    for module, p in ((scaled, pre), (linear, reference)):
+        module(x).square().sum().backward()
+        p.step()
+    torch.testing.assert_close(scaled.w.grad, linear.weight.grad)
+    torch.testing.assert_close(scaled.b.grad, linear.bias.grad)
+    pre.detach()
+    reference.detach()
+
+
+@pytest.mark.usefixtures("scaled_kind")
+def test_a_registered_kinds_reparametrized_weight_is_named_by_the_kinds_weight_name() -> None:
+    """``w`` under weight norm: the layer is left alone, the warning and the reason naming ``w``."""
+    scaled = parametrizations.weight_norm(Scaled(True), "w")
+    model = nn.Sequential(scaled, nn.Linear(4, 2))
+    why = (
+        "its w is computed by torch.nn.utils.parametrize (_WeightNorm) from parametrizations.w.original0, "
+        "parametrizations.w.original1; the optimizer updates those tensors, whose gradient is Jᵀ·∂L/∂w, for which "
+        "BNP's transform (eq. 15) has no exact form"
+    )
+    with pytest.warns(BNPWarning) as caught:
+        pre = BNPPreconditioner(model, layer_types=["Scaled", "Linear"])
+    assert [str(w.message) for w in caught] == [
+        f"BNP layer '0' (ParametrizedScaled) is left alone: {why}. Exclude it with `exclude` to silence this "
+        "warning (README 'Reparametrized layers')."
+    ]
+    assert list(pre.layers) == ["1"]
+    assert pre.skipped == {
+        "0.parametrizations.w.original0": f"left alone: {why}",
+        "0.parametrizations.w.original1": f"left alone: {why}",
     }
     pre.detach()
