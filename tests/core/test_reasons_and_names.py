@@ -168,3 +168,34 @@ class Affine(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.matrix
+
+
+DETACHED = (
+    "BNPPreconditioner.{}() on a detached preconditioner: detach() removed its forward hooks, so it has recorded no "
+    "statistics since and leaves every gradient untransformed. Call `attach()` before the next forward pass to "
+    "precondition again, or build a new BNPPreconditioner."
+)
+
+
+@pytest.mark.parametrize("method", ["step", "precondition"])
+def test_a_step_after_detach_says_the_preconditioner_is_detached_once_and_transforms_nothing(method: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    pre = BNPPreconditioner(model)
+    model(torch.randn(5, 3)).sum().backward()
+    pre.detach()
+    before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with pytest.warns(BNPWarning) as caught:
+        getattr(pre, method)()
+        getattr(pre, method)()  # once per detach
+    assert [str(w.message) for w in caught] == [DETACHED.format(method)]
+    for p, grad in zip(model.parameters(), before):
+        torch.testing.assert_close(p.grad, grad, rtol=0, atol=0)
+    pre.attach()  # attached again: a step transforms, without the warning
+    model.zero_grad()
+    model(torch.randn(5, 3)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)
+        pre.step()
+    assert all(layer.transform is not None for layer in pre.layers.values())
+    pre.detach()
