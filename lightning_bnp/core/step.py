@@ -118,6 +118,10 @@ class PreconditionerStep:
                 grads.append(grad)
         local = local_moments(active)
         not_run_here = {layer.name for layer, m in zip(active, local) if m.is_empty()}
+        # a forward on 0 rows (an empty batch, an expert no token was routed to) ran and was reached: its gradient
+        # is 0 from those rows, M·0 = 0, and no row updates the running statistics, so nothing is left to do or to
+        # say (as for a step whose every token is padding); a layer whose forward never ran gets the warning
+        never_ran = {layer.name for layer in active if layer.moments is None}
         pooled = pool_over_ranks(active, local, self.process_group) if self.pools else local
         for layer in layers:
             layer.moments = None
@@ -128,7 +132,7 @@ class PreconditionerStep:
             # pooled over ranks, the count is on the device: a layer no rank ran gets M = I there
             if not m.is_empty():  # one flat layout per device and dtype (usually one)
                 groups.setdefault((m.mean.device, m.mean.dtype), []).append((layer, m, grad))
-            if layer.name in not_run_here:
+            if layer.name in never_ran:
                 self.warnings.warn(layer, "never ran", NEVER_RAN)
         for group in groups.values():
             self.transform(group, pending, not_run_here)

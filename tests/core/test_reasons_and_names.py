@@ -199,3 +199,20 @@ def test_a_step_after_detach_says_the_preconditioner_is_detached_once_and_transf
         pre.step()
     assert all(layer.transform is not None for layer in pre.layers.values())
     pre.detach()
+
+
+def test_a_zero_row_batch_leaves_the_zero_gradient_and_the_statistics_as_they_are_without_a_warning() -> None:
+    """A forward on 0 rows ran: its gradient is 0, which every M leaves 0, and no row updates the running
+    statistics; it is not a forward that never ran (the warning is for that)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    pre = BNPPreconditioner(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)
+        model(torch.zeros(0, 3)).sum().backward()
+        pre.step()
+        assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+        assert all(layer.transform is None and layer.running.steps == 0 for layer in pre.layers.values())
+        model(torch.randn(5, 3)).sum().backward()  # the next batch is a first step
+        pre.step()
+    assert all(layer.transform is not None and layer.running.steps == 1 for layer in pre.layers.values())
+    pre.detach()
