@@ -71,6 +71,9 @@ class ManagedLayer:
     tied: dict[str, nn.Module] = field(default_factory=dict)  # other modules sharing this weight
     # (weak reference, version) of the gradient the latest step transformed: a second step on it is refused
     transformed_grad: tuple[weakref.ref[Tensor], int] | None = None
+    # a forward counted since the last step ran with another tensor than the weight leaf BNP manages (e.g. under
+    # torch.func.functional_call): if that leaf then has no gradient, the step names the layer
+    foreign_weight: bool = False
 
     def __getstate__(self) -> dict[str, object]:
         # pickle / deepcopy: the weak reference cannot be copied, and a copy's gradients are other tensors

@@ -24,7 +24,7 @@ from lightning_bnp.core.pending import PendingUpdate
 from lightning_bnp.core.pooling import local_moments, pool_over_ranks, pools_over_ranks
 from lightning_bnp.core.step_math import step_math
 from lightning_bnp.core.step_plan import Ready, StepPlan, row_block_spans
-from lightning_bnp.core.step_warnings import NEVER_RAN, REPARAMETRIZED, TWICE, StepWarnings
+from lightning_bnp.core.step_warnings import FOREIGN_WEIGHT, NEVER_RAN, REPARAMETRIZED, TWICE, StepWarnings
 from lightning_bnp.core.transform import q_squared
 
 __all__ = ["PreconditionerStep"]
@@ -103,6 +103,9 @@ class PreconditionerStep:
         """Transform the current gradients of those ``layers`` whose weight is in ``params`` (all when ``None``)
         and consume their statistics; the running-statistics update is stored now (``commit``) or returned."""
         self.warnings.report()
+        for layer in layers:  # recorded from a forward with other tensors (functional_call), no gradient on its own
+            if layer.foreign_weight and layer.moments is not None and weight_grad(layer) is None:
+                self.warnings.warn(layer, "foreign weight", FOREIGN_WEIGHT)
         if params is not None:
             ids = {id(p) for p in params}
             layers = [layer for layer in layers if id(layer.weight) in ids or self._left_alone(layer)]
@@ -126,6 +129,7 @@ class PreconditionerStep:
         for layer in layers:
             layer.moments = None
             layer.transform = None
+            layer.foreign_weight = False
         pending = PendingUpdate()
         groups: dict[tuple[torch.device, torch.dtype], list[Ready]] = {}
         for layer, m, grad in zip(active, pooled, grads):

@@ -42,6 +42,13 @@ DETACHED = (
     "recorded no statistics since and leaves every gradient untransformed. Call `attach()` before the next forward "
     "pass to precondition again, or build a new BNPPreconditioner."
 )
+FOREIGN_WEIGHT = (
+    "its statistics were recorded from a forward that ran with another tensor as its weight than the module's own "
+    "(e.g. torch.func.functional_call(model, params, x)), and the backward put the gradient on that tensor: the "
+    "module's weight got none in this step, so BNP transformed nothing and dropped the statistics. Call the module "
+    "itself (model(x)) so that its own weight gets the gradient, or precondition the gradients of the tensors the "
+    "forward used: copy them to the module's parameters' `.grad` before step()."
+)
 TWICE = (
     "its gradient was already preconditioned by the previous step() and no backward has changed it "
     "since; it is left as it is (one transform per gradient). Call step() once per backward."

@@ -5,7 +5,7 @@ with other tensors than the module's), and a layer of the root module is named w
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -215,4 +215,49 @@ def test_a_zero_row_batch_leaves_the_zero_gradient_and_the_statistics_as_they_ar
         model(torch.randn(5, 3)).sum().backward()  # the next batch is a first step
         pre.step()
     assert all(layer.transform is not None and layer.running.steps == 1 for layer in pre.layers.values())
+    pre.detach()
+
+
+FOREIGN = (
+    "BNP layer {!r} ({}): its statistics were recorded from a forward that ran with another tensor as its weight "
+    "than the module's own (e.g. torch.func.functional_call(model, params, x)), and the backward put the gradient on "
+    "that tensor: the module's weight got none in this step, so BNP transformed nothing and dropped the statistics. "
+    "Call the module itself (model(x)) so that its own weight gets the gradient, or precondition the gradients of "
+    "the tensors the forward used: copy them to the module's parameters' `.grad` before step()."
+)
+
+
+@pytest.mark.parametrize(
+    ("make", "names"),
+    [
+        (lambda: nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), [("0", "Linear"), ("1", "Linear")]),
+        (RootFunctional, [("fc", "RootFunctional"), ("head", "Linear")]),  # fc: its parent's F.linear call
+    ],
+    ids=["hooked", "captured from F.linear"],
+)
+def test_a_forward_through_functional_call_with_other_tensors_is_named_at_the_step(
+    make: Callable[[], nn.Module], names: list[tuple[str, str]]
+) -> None:
+    """The hooks record the statistics, the gradients land on the cloned tensors: the step names each layer whose
+    statistics came from such a forward and whose own weight got no gradient, and what to do."""
+    torch.manual_seed(0)
+    model = make()
+    pre = BNPPreconditioner(model)
+    params = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+    torch.func.functional_call(model, params, torch.randn(5, 3)).sum().backward()
+    assert all(p.grad is None for p in model.parameters()) and all(p.grad is not None for p in params.values())
+    with pytest.warns(BNPWarning) as caught:
+        pre.step()
+    assert sorted(str(w.message) for w in caught) == [FOREIGN.format(*name) for name in names]
+    assert all(layer.moments is None and layer.transform is None for layer in pre.layers.values())
+    with warnings.catch_warnings():  # the module itself: transformed, nothing to say
+        warnings.simplefilter("error", BNPWarning)
+        model(torch.randn(5, 3)).sum().backward()
+        pre.step()
+        # the same tensors as the module's (a functional_call with its own parameters): nothing to say either
+        dict_params = dict(model.named_parameters())
+        model.zero_grad()
+        torch.func.functional_call(model, dict_params, torch.randn(5, 3)).sum().backward()
+        pre.step()
+    assert all(layer.transform is not None for layer in pre.layers.values())
     pre.detach()
