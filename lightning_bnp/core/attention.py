@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_bnp.core.kinds import LINEAR_FAMILY, LayerKind, register_layer_kind
-from lightning_bnp.core.reparametrization import weight_leaf
+from lightning_bnp.core.reparametrization import unsupported, weight_leaf
 
 __all__ = [
     "FunctionalLinearKind",
@@ -158,6 +158,9 @@ class FunctionalLinearKind(LayerKind):
     def claims(self, module: nn.Module) -> tuple[nn.Module, ...]:
         child = module._modules.get(self.child)
         return (child,) if child is not None else ()
+
+    def reparametrized(self, module: nn.Module) -> str | None:
+        return unsupported(self._child(module))  # the child's weight and bias, which the parent passes to F.linear
 
     def weight(self, module: nn.Module) -> Tensor:
         return weight_leaf(self._child(module))

@@ -13,6 +13,13 @@ finds ``.grad`` reset to ``None`` (``zero_grad()``, whose default is ``set_to_no
 first — e.g. a GAN's discriminator forward during the generator's step, without ``toggle_optimizer``, whose
 gradient the discriminator's ``zero_grad()`` throws away (issue 37, item 5). Only identity is compared (no tensor
 value, no host read). Not seen: a gradient zeroed in place (``zero_grad(set_to_none=False)``).
+
+Other tensors as the weight. ``torch.func.functional_call(model, params, x)`` swaps its own tensors into the
+module for one forward: the hooks record that forward's statistics, but the backward puts the gradient on those
+tensors, not on the weight leaf BNP manages. A counted forward whose module held another tensor than the leaf kept
+at :meth:`~StatisticsCollection.attach` marks the layer (:attr:`ManagedLayer.foreign_weight`, identity only, eager
+only); the step names such a layer when its leaf has no gradient (under FSDP2 the forward's unsharded weight is
+another tensor too, but the gradient reaches the leaf: nothing is said).
 """
 
 from __future__ import annotations
@@ -65,13 +72,15 @@ class StatisticsCollection:
         # layer → (its weight, the pending statistics that reached the weight's gradient, whose accumulation ran
         # since): they are dropped if that gradient is reset before the next count
         self.settled: dict[str, tuple[weakref.ref[Tensor], Moments]] = {}
+        # layer → its weight leaf when attached: a forward that runs with another tensor as the weight is marked
+        self.leaves: dict[str, weakref.ref[Tensor]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # hook handles stay behind (a copy of the model carries no BNP hooks: core/copies.py)
-        return {**self.__dict__, "handles": [], "settled": {}}
+        return {**self.__dict__, "handles": [], "settled": {}, "leaves": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"settled": {}, **state})  # (pickled before `settled` existed)
+        self.__dict__.update({"settled": {}, "leaves": {}, **state})  # (pickled before `settled` existed)
 
     @property
     def attached(self) -> bool:
@@ -120,6 +129,7 @@ class StatisticsCollection:
             if isinstance(weight, Tensor) and weight.is_leaf and weight.requires_grad:  # (frozen: nothing to track)
                 settle = self._settle_when_accumulated(layer, weight)
                 self.handles.append(weight.register_post_accumulate_grad_hook(settle))
+                self.leaves[layer.name] = weakref.ref(weight)
 
     def detach(self) -> None:
         """Remove the hooks; statistics of forwards that ran before this call never count."""
@@ -127,9 +137,11 @@ class StatisticsCollection:
             handle.remove()
         self.handles.clear()
         self.settled.clear()
+        self.leaves.clear()
         self.generation += 1
         for layer in self.layers:
             layer.moments = None
+            layer.foreign_weight = False
             for module in layer.modules.values():
                 owner = _OWNERS.get(module)
                 if owner is not None and owner() is self:
@@ -173,8 +185,12 @@ class StatisticsCollection:
             return
         node = out.grad_fn
         if node is not None:
+            # the tensor this forward used as the weight (the module's attribute now: torch.func.functional_call
+            # swaps in its own tensors) is not the leaf BNP manages: its gradient lands elsewhere
+            leaf = self.leaves.get(layer.name)
+            foreign = leaf is not None and layer.weight is not leaf()
             node.register_prehook(
-                self._count_when_reached(layer, moments(module, h, out) if special is None else special)
+                self._count_when_reached(layer, moments(module, h, out) if special is None else special, foreign)
             )
 
     def _register_calls_hooks(self, layer: ManagedLayer, module: nn.Module, shared: list[Any]) -> list[RemovableHandle]:
@@ -222,9 +238,10 @@ class StatisticsCollection:
         handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
         return handles
 
-    def _count_when_reached(self, layer: ManagedLayer, part: Moments) -> Any:
+    def _count_when_reached(self, layer: ManagedLayer, part: Moments, foreign: bool = False) -> Any:
         """A pre-hook for the output's autograd node: the forward's statistics join the step when the
-        backward pass reaches the output (once, however often the graph is back-propagated)."""
+        backward pass reaches the output (once, however often the graph is back-propagated); ``foreign``: the
+        forward used another tensor than the managed weight leaf (:attr:`ManagedLayer.foreign_weight`)."""
         generation, counted = self.generation, False
 
         def count(grad_outputs: tuple[Tensor | None, ...]) -> None:
@@ -243,6 +260,7 @@ class StatisticsCollection:
             ):
                 layer.moments = None
             layer.add_moments(part)
+            layer.foreign_weight |= foreign
 
         return count
 

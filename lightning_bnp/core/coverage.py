@@ -5,7 +5,9 @@ A weight matrix is a parameter with two or more dimensions. :func:`coverage` sor
 reason a user can act on: a layer type BNP does not know (naming the module class; teach it with
 :func:`~lightning_bnp.core.kinds.register_layer_kind`), a type left out of ``layer_types``, a name that
 ``include``/``exclude`` dropped (also some row blocks of a packed weight), a frozen weight, a parametrization
-BNP does not follow, an embedding left out (``embeddings=False``) or a positional parameter. A Linear whose
+BNP does not follow, an embedding left out (``embeddings=False``) or a positional parameter. A parameter of ≥ 3
+dimensions with at most one above 1 that no kind feeds (ConvNeXt's ``layer_scale``, (C, 1, 1)) is an elementwise
+scale, named as such and not counted among the weight matrices. A Linear whose
 parent calls ``F.linear`` with its weight is transformed when its parent is known
 (:mod:`lightning_bnp.core.attention`) or its parent's ``forward`` source shows it
 (:func:`~lightning_bnp.core.attention.inferred_functional_linears`); where neither can be seen before a forward
@@ -25,12 +27,17 @@ from torch.nn.utils import parametrize
 
 from lightning_bnp.core.kinds import LayerKind, ModelScan
 from lightning_bnp.core.model_scan import kinds_of
-from lightning_bnp.core.reparametrization import unsupported
+from lightning_bnp.core.selection import layer_name, module_name
 
 if TYPE_CHECKING:
     from lightning_bnp.core.layers import ManagedLayer
 
 __all__ = ["Coverage", "coverage"]
+
+# a parameter of ≥ 3 dimensions of which at most one is above 1, that no kind feeds (torchvision ConvNeXt's
+# `layer_scale`, (C, 1, 1)): a vector shaped to broadcast, which no layer multiplies as a matrix; not counted
+ELEMENTWISE = "elementwise scale or shift"
+NOT_A_MATRIX = "not a layer's weight matrix (one dimension above 1), left to the optimizer"
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,10 @@ class Coverage:
 
     Attributes:
         transformed: parameter names (``named_parameters()``) of the trainable weights BNP transforms.
-        skipped: parameter name → reason, for every other weight matrix (trainable ones first, then frozen).
-        trainable: how many weight matrices of the model are trainable.
+        skipped: parameter name → reason, for every other weight matrix (trainable ones first, then frozen), and
+            for each parameter of ≥ 2 dimensions that is no weight matrix (an elementwise scale: one dimension
+            above 1).
+        trainable: how many weight matrices of the model are trainable (elementwise scales not counted).
     """
 
     transformed: tuple[str, ...]
@@ -70,6 +79,7 @@ def coverage(
     transformed: list[str] = []
     trainable: dict[str, str] = {}
     frozen: dict[str, str] = {}
+    vectors = 0  # trainable elementwise scales: named, not counted as weight matrices
     for name, p in scan.model.named_parameters():
         if p.dim() < 2:
             continue
@@ -87,7 +97,8 @@ def coverage(
             continue
         reason = _reason(name, p, scan, include, exclude)
         (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
-    count = len(transformed) + len(trainable)
+        vectors += p.requires_grad and reason.startswith(ELEMENTWISE)
+    count = len(transformed) + len(trainable) - vectors
     return Coverage(tuple(transformed), {**trainable, **frozen}, count)
 
 
@@ -105,11 +116,13 @@ def _reason(
     owner = scan.modules.get(owner_name)
     if owner is None:
         return "not held by a module BNP can find"
-    why = unsupported(owner)
+    kinds, selected_kinds = scan.applicable[owner_name], scan.selected_kinds
+    # by the names of the tensors its kinds feed: a module no kind applies to is a layer type BNP does not know,
+    # whatever its `weight` or `bias` attribute is (nn.LSTM's `bias` is a flag)
+    why = next((w for k in kinds if (w := k.reparametrized(owner)) is not None), None)
     if why is not None:  # README "Reparametrized layers"
         return f"left alone: {why}"
     cls = parametrize.type_before_parametrizations(owner)  # a `ParametrizedLinear` is named Linear
-    kinds, selected_kinds = scan.applicable[owner_name], scan.selected_kinds
     if isinstance(owner, nn.Embedding) and not any(k in selected_kinds for k in kinds):
         return "embedding (embeddings=False)"
     if isinstance(owner, nn.EmbeddingBag):
@@ -117,6 +130,8 @@ def _reason(
     fed = any(_weight_of(k, owner) is parameter for k in kinds)
     if not fed and any(word in attr.lower() for word in ("pos", "embed", "token")):
         return f"embedding / positional parameter {attr!r} of {cls.__name__}"
+    if not fed and parameter.dim() > 2 and sum(size > 1 for size in parameter.shape) <= 1:
+        return f"{ELEMENTWISE} of {cls.__name__}, shape {tuple(parameter.shape)}: {NOT_A_MATRIX}"
     if not kinds:
         return f"unknown layer type {cls.__module__}.{cls.__qualname__} (teach BNP with register_layer_kind)"
     if not any(k in selected_kinds for k in kinds):
@@ -129,7 +144,7 @@ def _reason(
     names = scan.claimer_names(owner) or (
         owner_name,
         owner_name.rpartition(".")[0],
-        *(f"{owner_name}{k.suffix}" for k in kinds),
+        *(layer_name(owner_name, k.suffix) for k in kinds),
     )
     if include is not None and not any(fnmatchcase(n, p) for n in names for p in include):
         return f"not matched by `include` {list(include)}"
@@ -156,4 +171,5 @@ def _missing_blocks(
     feeding = {(id(m), other.kind.name) for other in layers if other.weight is p for m in other.modules.values()}
     module = layer.module
     expected = [k for k in kinds_of(module, known) if _weight_of(k, module) is p]
-    return [layer.name[: -len(layer.kind.suffix)] + k.suffix for k in expected if (id(module), k.name) not in feeding]
+    owner = module_name(layer.name, layer.kind.suffix)
+    return [layer_name(owner, k.suffix) for k in expected if (id(module), k.name) not in feeding]

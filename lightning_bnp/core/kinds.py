@@ -45,8 +45,8 @@ from lightning_bnp.core.moments import (
     moments_of_input,
     token_moments,
 )
-from lightning_bnp.core.reparametrization import bias_leaf, tensor_leaf, weight_leaf
-from lightning_bnp.core.selection import filter_by_name
+from lightning_bnp.core.reparametrization import bias_leaf, tensor_leaf, unsupported, weight_leaf
+from lightning_bnp.core.selection import filter_by_name, layer_name
 from lightning_bnp.core.statistics import Moments, statistics_dtype
 
 __all__ = [
@@ -163,6 +163,12 @@ class LayerKind:
         """Why BNP cannot manage this module in its current form (then selecting it is an error naming the
         layer), or ``None`` (the default)."""
         return None
+
+    def reparametrized(self, module: nn.Module) -> str | None:
+        """Why BNP leaves this module alone in its current form: the tensors this kind feeds (:attr:`weight_name`,
+        :attr:`bias_name`) are reparametrized in a way eq. 15 cannot follow
+        (:func:`~lightning_bnp.core.reparametrization.unsupported`); ``None`` when BNP preconditions their leaves."""
+        return unsupported(module, self.weight_name, self.bias_name)
 
     def weight(self, module: nn.Module) -> Tensor:
         """The trainable weight leaf (``parametrizations.<name>.original`` under ``torch.nn.utils.parametrize``:
@@ -447,7 +453,7 @@ class ModelScan:
     def claimer_names(self, module: nn.Module) -> tuple[str, ...]:
         """The names under which ``include``/``exclude`` select a claimed module: its parents' names and their
         layers' names (``attn``, ``attn.out_proj``); empty for a module no kind claims."""
-        return tuple(n for name, kind in self.claims.get(id(module), ()) for n in (name, f"{name}{kind.suffix}"))
+        return tuple(n for name, kind in self.claims.get(id(module), ()) for n in (name, layer_name(name, kind.suffix)))
 
 
 def select_layer_kinds(
@@ -458,7 +464,7 @@ def select_layer_kinds(
     claims, kept or dropped by ``include``/``exclude`` (validated pattern lists:
     :func:`~lightning_bnp.core.validation.check_patterns`) as :func:`~lightning_bnp.core.selection.select_layers`
     does (patterns match module names); a layer's name is its module's name plus its kind's
-    :attr:`~LayerKind.suffix`.
+    :attr:`~LayerKind.suffix` (:func:`~lightning_bnp.core.selection.layer_name`).
 
     Raises:
         ValueError: a pattern that matches no candidate, or nothing left to manage.
@@ -466,20 +472,19 @@ def select_layer_kinds(
     layer_types, found = scan.layer_types, scan.kinds
     candidates = {name: m for name, m in scan.modules.items() if found[name] and id(m) not in scan.claims}
     # patterns match a module's name or a layer's (module name + suffix: `attn.q`, `attn.out_proj`)
-    names = {name: [name + k.suffix for k in found[name]] for name in candidates}
+    names = {name: [layer_name(name, k.suffix) for k in found[name]] for name in candidates}
     every = {n for name, layer_names in names.items() for n in (name, *layer_names)}
     kept = filter_by_name({n: nn.Module() for n in every}, layer_types, include, None)
     filter_by_name({n: nn.Module() for n in every}, layer_types, None, exclude)  # exclude patterns must match
     selected = {}
     for name, m in candidates.items():
         for kind in found[name]:
-            layer_name = name + kind.suffix
-            both = (name, layer_name)
+            both = (name, layer_name(name, kind.suffix))
             if include is not None and not any(n in kept for n in both):
                 continue
             if any(fnmatchcase(n, p) for n in both for p in exclude or ()):
                 continue
-            selected[layer_name] = (m, kind)
+            selected[both[1]] = (m, kind)
     if not selected:
         raise ValueError(
             f"no {'/'.join(layer_types)} layer is left for BNP after include={include!r}, "

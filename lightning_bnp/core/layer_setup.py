@@ -40,7 +40,8 @@ def manage_layers(
         layer_types = [*layer_types, EMBEDDING]
     scan = scan_model(model, layer_types)  # the model read once: kinds and claims, for all three below
     chosen = select_layer_kinds(scan, include, exclude)
-    kept = manageable({name: module for name, (module, _) in chosen.items()}, BNPWarning)
+    reasons = {name: kind.reparametrized(module) for name, (module, kind) in chosen.items()}  # by the kinds' names
+    kept = manageable({name: module for name, (module, _) in chosen.items()}, BNPWarning, reasons)
     layers = make_layers(
         scan,
         {name: chosen[name] for name in kept},

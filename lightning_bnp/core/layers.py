@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from lightning_bnp.core.reparametrization import NO_LEAF, weight_leaf
+from lightning_bnp.core.selection import layer_name
 from lightning_bnp.core.stack import user_stacklevel
 from lightning_bnp.core.statistics import Moments, RunningStatistics, statistics_dtype
 from lightning_bnp.core.transform import precondition_
@@ -70,6 +71,9 @@ class ManagedLayer:
     tied: dict[str, nn.Module] = field(default_factory=dict)  # other modules sharing this weight
     # (weak reference, version) of the gradient the latest step transformed: a second step on it is refused
     transformed_grad: tuple[weakref.ref[Tensor], int] | None = None
+    # a forward counted since the last step ran with another tensor than the weight leaf BNP manages (e.g. under
+    # torch.func.functional_call): if that leaf then has no gradient, the step names the layer
+    foreign_weight: bool = False
 
     def __getstate__(self) -> dict[str, object]:
         # pickle / deepcopy: the weak reference cannot be copied, and a copy's gradients are other tensors
@@ -161,7 +165,7 @@ def make_layers(
     for name, module in scan.modules.items():  # any other module holding a managed weight (e.g. a tied embedding)
         if id(module) in modules or isinstance(module, parametrize.ParametrizationList):
             continue
-        if any(f"{parent}{kind.suffix}" in names for parent, kind in scan.claims.get(id(module), ())):
+        if any(layer_name(parent, kind.suffix) in names for parent, kind in scan.claims.get(id(module), ())):
             continue  # a managed layer's kind feeds it in its place (an attention's out_proj)
         for parameter in module._parameters.values():
             owner = managed.get(id(parameter))

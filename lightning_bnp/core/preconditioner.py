@@ -65,7 +65,7 @@ from lightning_bnp.core.layers import BNPWarning, ManagedLayer, StepTransform
 from lightning_bnp.core.pending import OptimizerCommits, PendingUpdate
 from lightning_bnp.core.selection import DEFAULT_LAYER_TYPES, validate_layer_types
 from lightning_bnp.core.step import PreconditionerStep
-from lightning_bnp.core.step_warnings import StepWarnings
+from lightning_bnp.core.step_warnings import DETACHED, StepWarnings
 from lightning_bnp.core.token_masks import TokenMasks
 from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_patterns
 
@@ -358,8 +358,12 @@ class BNPPreconditioner(ArgumentsRepr):
         are stored only when ``optimizer.step()`` really runs (from its step post-hook): a step that
         ``torch.amp.GradScaler`` skips for non-finite gradients leaves them untouched, as the
         Lightning callback does. Call it after ``scaler.unscale_(optimizer)``. The optimizer may be wrapped (Lightning's
-        ``self.optimizers()``, Fabric's ``fabric.setup``) and may be a new one at every step.
+        ``self.optimizers()``, Fabric's ``fabric.setup``) and may be a new one at every step. Detached (after
+        :meth:`detach`), it transforms nothing and warns so, once per detach.
         """
+        if not self.attached:  # (before `defer`: a detached preconditioner hooks no optimizer)
+            self._warn_detached("step")
+            return
         if isinstance(params, Optimizer):  # (its commit follows the wrappers: pending.unwrap_optimizer)
             self._commits.defer(params, self.precondition(_parameters(params), commit=False))
         else:
@@ -380,9 +384,17 @@ class BNPPreconditioner(ArgumentsRepr):
         Statistics pooled since the previous step are consumed. With ``commit=False`` the running
         statistics are updated only when the returned :class:`PendingUpdate` is committed. A
         gradient that the previous call transformed and no backward has changed since is left as it
-        is (with a warning): the transform is applied once per gradient.
+        is (with a warning): the transform is applied once per gradient. A detached preconditioner (after
+        :meth:`detach`, before :meth:`attach`) transforms nothing and says so, once per detach.
         """
+        if not self.attached:
+            self._warn_detached("precondition")
+            return PendingUpdate()
         return self._step.precondition(self._layer_list, params, commit=commit)
+
+    def _warn_detached(self, method: str) -> None:
+        # once per detach (its generation): a loop that keeps stepping hears it once
+        self._warnings.warn_once(f"detached {self._collection.generation}", DETACHED.format(method=method))
 
     def flush_warnings(self) -> None:
         """Raise now the warnings about non-finite or overflowing statistics that the steps so far have

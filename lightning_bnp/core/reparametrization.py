@@ -24,6 +24,7 @@ each way torch does it (README "Reparametrized layers"):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -94,8 +95,8 @@ def describe(module: nn.Module, name: str) -> str | None:
         return f"computed by {legacy}"
     if _pruned(module, name) and isinstance(module._parameters.get(f"{name}_orig"), Tensor):
         return f"pruned by torch.nn.utils.prune ({name} = {name}_orig · {name}_mask)"
-    if getattr(module, name, None) is None:
-        return None  # no bias
+    if not isinstance(getattr(module, name, None), Tensor):
+        return None  # no such tensor: absent, None (no bias) or not a tensor at all (nn.LSTM's `bias` flag)
     return "not a parameter of the module (a tensor set or computed outside it)"
 
 
@@ -114,10 +115,12 @@ def _why(module: nn.Module, name: str) -> str | None:
     )
 
 
-def unsupported(module: nn.Module) -> str | None:
-    """Why BNP leaves ``module`` alone (its weight or bias is reparametrized in a way eq. 15 cannot follow
-    exactly), or None when its weight and bias have leaves BNP preconditions."""
-    return _why(module, "weight") or _why(module, "bias")
+def unsupported(module: nn.Module, weight_name: str = "weight", bias_name: str | None = "bias") -> str | None:
+    """Why BNP leaves ``module`` alone (its weight or bias, the tensors its layer kind names ``weight_name`` and
+    ``bias_name``, is reparametrized in a way eq. 15 cannot follow exactly), or None when both have leaves BNP
+    preconditions (or are absent). A kind's own names: the bias of a kind with ``bias_name="b"`` is ``b``, whatever
+    the module's ``bias`` attribute is (:meth:`~lightning_bnp.core.kinds.LayerKind.reparametrized`)."""
+    return _why(module, weight_name) or (_why(module, bias_name) if bias_name is not None else None)
 
 
 def weight_leaf(module: nn.Module) -> Tensor:
@@ -170,8 +173,12 @@ def lazy_names(modules: dict[str, nn.Module]) -> list[str]:
     ]
 
 
-def manageable(selected: dict[str, nn.Module], category: type[Warning]) -> dict[str, nn.Module]:
-    """``selected`` without the layers BNP leaves alone, each named once in a ``category`` warning.
+def manageable(
+    selected: dict[str, nn.Module], category: type[Warning], reasons: Mapping[str, str | None] | None = None
+) -> dict[str, nn.Module]:
+    """``selected`` without the layers BNP leaves alone, each named once in a ``category`` warning: those with a
+    reason in ``reasons`` (by layer name: their kinds' :meth:`~lightning_bnp.core.kinds.LayerKind.reparametrized`),
+    or when ``reasons`` is None, whose ``weight`` or ``bias`` is one BNP does not follow (:func:`unsupported`).
 
     Raises:
         ValueError: a layer is an uninitialised lazy module (its shapes are unknown until a forward), or no
@@ -187,7 +194,7 @@ def manageable(selected: dict[str, nn.Module], category: type[Warning]) -> dict[
         )
     kept = {}
     for name, module in selected.items():
-        reason = unsupported(module)
+        reason = unsupported(module) if reasons is None else reasons.get(name)
         if reason is None:
             kept[name] = module
             continue

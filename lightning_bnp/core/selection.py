@@ -1,4 +1,5 @@
-"""Which layers BNP and Weight Conditioning manage: the layer types (one list), name patterns."""
+"""Which layers BNP and Weight Conditioning manage: the layer types (one list), name patterns, the names of layers
+made by a suffix."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from torch import nn
 
 from lightning_bnp.core.validation import check_patterns, check_str_list
 
-__all__ = ["DEFAULT_LAYER_TYPES", "SUPPORTED_LAYER_TYPES", "filter_by_name", "select_layers", "validate_layer_types"]
+__all__ = [
+    "DEFAULT_LAYER_TYPES",
+    "SUPPORTED_LAYER_TYPES",
+    "filter_by_name",
+    "layer_name",
+    "module_name",
+    "select_layers",
+    "validate_layer_types",
+]
 
 SUPPORTED_LAYER_TYPES: dict[str, type[nn.Module]] = {
     "Linear": nn.Linear,
@@ -96,3 +105,20 @@ def filter_by_name(
             f"exclude={exclude!r}; candidates are {sorted(candidates)}"
         )
     return selected
+
+
+def layer_name(module: str, suffix: str) -> str:
+    """The name of the layer a kind with this ``suffix`` makes of the module named ``module``: ``<module><suffix>``
+    (``attn.q``), and for the root module (``""``) the suffix without its leading dot (``q``, ``fc``: the name
+    ``include``/``exclude`` patterns, the state and the messages use)."""
+    return module + suffix if module else suffix.removeprefix(".")
+
+
+def module_name(layer: str, suffix: str) -> str:
+    """The name of the module whose layer of a kind with this ``suffix`` is named ``layer`` (the inverse of
+    :func:`layer_name`)."""
+    if not suffix:
+        return layer
+    if layer.endswith(suffix):
+        return layer[: -len(suffix)]
+    return "" if layer == layer_name("", suffix) else layer

@@ -22,10 +22,9 @@ from lightning_bnp.core.gradients import bias_grad, weight_grad, whole_bias_grad
 from lightning_bnp.core.layers import NO_LEAF, ManagedLayer, StepTransform
 from lightning_bnp.core.pending import PendingUpdate
 from lightning_bnp.core.pooling import local_moments, pool_over_ranks, pools_over_ranks
-from lightning_bnp.core.reparametrization import unsupported
 from lightning_bnp.core.step_math import step_math
 from lightning_bnp.core.step_plan import Ready, StepPlan, row_block_spans
-from lightning_bnp.core.step_warnings import NEVER_RAN, REPARAMETRIZED, TWICE, StepWarnings
+from lightning_bnp.core.step_warnings import FOREIGN_WEIGHT, NEVER_RAN, REPARAMETRIZED, TWICE, StepWarnings
 from lightning_bnp.core.transform import q_squared
 
 __all__ = ["PreconditionerStep"]
@@ -104,6 +103,9 @@ class PreconditionerStep:
         """Transform the current gradients of those ``layers`` whose weight is in ``params`` (all when ``None``)
         and consume their statistics; the running-statistics update is stored now (``commit``) or returned."""
         self.warnings.report()
+        for layer in layers:  # recorded from a forward with other tensors (functional_call), no gradient on its own
+            if layer.foreign_weight and layer.moments is not None and weight_grad(layer) is None:
+                self.warnings.warn(layer, "foreign weight", FOREIGN_WEIGHT)
         if params is not None:
             ids = {id(p) for p in params}
             layers = [layer for layer in layers if id(layer.weight) in ids or self._left_alone(layer)]
@@ -119,17 +121,22 @@ class PreconditionerStep:
                 grads.append(grad)
         local = local_moments(active)
         not_run_here = {layer.name for layer, m in zip(active, local) if m.is_empty()}
+        # a forward on 0 rows (an empty batch, an expert no token was routed to) ran and was reached: its gradient
+        # is 0 from those rows, M·0 = 0, and no row updates the running statistics, so nothing is left to do or to
+        # say (as for a step whose every token is padding); a layer whose forward never ran gets the warning
+        never_ran = {layer.name for layer in active if layer.moments is None}
         pooled = pool_over_ranks(active, local, self.process_group) if self.pools else local
         for layer in layers:
             layer.moments = None
             layer.transform = None
+            layer.foreign_weight = False
         pending = PendingUpdate()
         groups: dict[tuple[torch.device, torch.dtype], list[Ready]] = {}
         for layer, m, grad in zip(active, pooled, grads):
             # pooled over ranks, the count is on the device: a layer no rank ran gets M = I there
             if not m.is_empty():  # one flat layout per device and dtype (usually one)
                 groups.setdefault((m.mean.device, m.mean.dtype), []).append((layer, m, grad))
-            if layer.name in not_run_here:
+            if layer.name in never_ran:
                 self.warnings.warn(layer, "never ran", NEVER_RAN)
         for group in groups.values():
             self.transform(group, pending, not_run_here)
@@ -141,7 +148,7 @@ class PreconditionerStep:
         """False; names (once) a layer reparametrized since setup in a way BNP cannot follow (README
         'Reparametrized layers'): its weight leaf is then ``NO_LEAF`` and it is skipped like a frozen layer."""
         if layer.weight is NO_LEAF:
-            self.warnings.warn(layer, "reparametrized", f"{REPARAMETRIZED}: {unsupported(layer.module)}.")
+            self.warnings.warn(layer, "reparametrized", f"{REPARAMETRIZED}: {layer.kind.reparametrized(layer.module)}.")
         return False
 
     def _transformed_already(self, layer: ManagedLayer, grad: Tensor) -> bool:

@@ -37,6 +37,18 @@ NEVER_RAN = (
     "untransformed (with statistics pooled over ranks, `sync_statistics`: transformed with the statistics of the "
     "ranks that ran it, untransformed only if none did). Exclude it with `exclude` to silence this warning."
 )
+DETACHED = (
+    "BNPPreconditioner.{method}() on a detached preconditioner: detach() removed its forward hooks, so it has "
+    "recorded no statistics since and leaves every gradient untransformed. Call `attach()` before the next forward "
+    "pass to precondition again, or build a new BNPPreconditioner."
+)
+FOREIGN_WEIGHT = (
+    "its statistics were recorded from a forward that ran with another tensor as its weight than the module's own "
+    "(e.g. torch.func.functional_call(model, params, x)), and the backward put the gradient on that tensor: the "
+    "module's weight got none in this step, so BNP transformed nothing and dropped the statistics. Call the module "
+    "itself (model(x)) so that its own weight gets the gradient, or precondition the gradients of the tensors the "
+    "forward used: copy them to the module's parameters' `.grad` before step()."
+)
 TWICE = (
     "its gradient was already preconditioned by the previous step() and no backward has changed it "
     "since; it is left as it is (one transform per gradient). Call step() once per backward."
@@ -86,7 +98,7 @@ class StepWarnings:
 
     def __init__(self, *, running: bool) -> None:
         self.running = running
-        self.warned: set[tuple[str, str]] = set()
+        self.warned: set[tuple[str | None, str]] = set()  # (layer name, or None for the whole preconditioner; cause)
         # per step: the layers (None: not to be named) and a host copy of their per-layer max σ²_H
         self.owed: list[tuple[list[ManagedLayer | None], tuple[Tensor, Any]]] = []
         # per device vector a captured step folds its maxima into: the layers it names (None: not to be named)
@@ -106,6 +118,14 @@ class StepWarnings:
             return
         self.warned.add((layer.name, cause))
         message = f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}"
+        warnings.warn(message, BNPWarning, stacklevel=user_stacklevel())
+
+    def warn_once(self, cause: str, message: str) -> None:
+        """Warn about the preconditioner as a whole (no layer named) unless it was already warned about for
+        ``cause``."""
+        if (None, cause) in self.warned:
+            return
+        self.warned.add((None, cause))
         warnings.warn(message, BNPWarning, stacklevel=user_stacklevel())
 
     def owe(self, layers: list[ManagedLayer | None], peak: Tensor, alarm: Tensor) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_bnp.core.layers import ManagedLayer
+from lightning_bnp.core.selection import module_name
 from lightning_bnp.core.statistics import Moments
 from lightning_bnp.core.validation import check_patterns
 
@@ -21,9 +22,7 @@ __all__ = ["TokenMasks", "layer_names"]
 
 def layer_names(layer: ManagedLayer) -> tuple[str, ...]:
     """A layer's name, its module's (``attn`` for ``attn.q``) and those of modules tied to it."""
-    suffix = layer.kind.suffix
-    module = layer.name[: -len(suffix)] if suffix and layer.name.endswith(suffix) else layer.name
-    return (layer.name, module, *layer.tied)
+    return (layer.name, module_name(layer.name, layer.kind.suffix), *layer.tied)
 
 
 def _jagged_rows(layer: ManagedLayer, module: nn.Module, h: Tensor) -> Tensor:

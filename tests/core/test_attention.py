@@ -225,10 +225,10 @@ def test_torchvision_vit_and_swin_every_projection() -> None:
 
 def test_a_packed_weight_with_an_excluded_block_is_named() -> None:
     mha = nn.MultiheadAttention(E, HEADS)
-    pre = BNPPreconditioner(mha, exclude="*.k")
-    assert list(pre.layers) == [".q", ".v", ".out_proj"]
+    pre = BNPPreconditioner(mha, exclude="k")
+    assert list(pre.layers) == ["q", "v", "out_proj"]
     assert pre.skipped == {
-        "in_proj_weight": "row blocks ['.k'] of it dropped by `include`/`exclude`; the others are transformed"
+        "in_proj_weight": "row blocks ['k'] of it dropped by `include`/`exclude`; the others are transformed"
     }
 
 
@@ -342,8 +342,8 @@ def test_a_linear_an_unknown_parent_uses_through_f_linear_is_preconditioned_exac
     twin.load_state_dict(model.state_dict())
     pre, pre_twin = BNPPreconditioner(model), BNPPreconditioner(twin)
     assert {name: type(layer.kind) for name, layer in pre.layers.items()} == {
-        ".qkv": FunctionalLinearKind,  # at the root: the parent's name "" + the kind's suffix, as for an MHA
-        ".proj": FunctionalLinearKind,
+        "qkv": FunctionalLinearKind,  # at the root: the child's name, as for an MHA's q, k, v and out_proj
+        "proj": FunctionalLinearKind,
     }
     assert pre.report() == "BNP transforms 2 of the model's 2 trainable weight matrices"
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin)]
@@ -358,8 +358,8 @@ def test_a_linear_an_unknown_parent_uses_through_f_linear_is_preconditioned_exac
                 opt.step()
     for name, p in twin.named_parameters():
         torch.testing.assert_close(dict(model.named_parameters())[name], p, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(pre.layers[".proj"].running.var, pre_twin.layers["proj"].running.var)
-    assert pre.layers[".qkv"].running.steps == 3
+    torch.testing.assert_close(pre.layers["proj"].running.var, pre_twin.layers["proj"].running.var)
+    assert pre.layers["qkv"].running.steps == 3
 
 
 def test_a_parent_that_calls_its_linear_keeps_the_plain_linear_kind() -> None:
