@@ -100,3 +100,31 @@ def test_unwrap_optimizer_follows_the_wrappers_to_the_torch_optimizer() -> None:
     assert unwrap_optimizer(opt) is opt
     assert unwrap_optimizer(_lightning(opt)) is opt
     assert unwrap_optimizer(_twice(opt)) is opt
+
+
+class _Slotted:
+    """A wrapper-like object without a ``__dict__``."""
+
+    __slots__ = ("_optimizer",)
+
+
+class _WrapsAnother(torch.optim.SGD):
+    """An optimizer that is also a wrapper (it keeps another optimizer as ``_optimizer``)."""
+
+
+def test_unwrap_optimizer_stops_at_an_object_without_a_dict_and_at_a_cycle_of_wrappers() -> None:
+    slotted = _Slotted()
+    slotted._optimizer = torch.optim.SGD(make_mlp().parameters(), lr=0.1)
+    assert unwrap_optimizer(slotted) is slotted  # type: ignore[arg-type]  # (no __dict__ to read the wrapped one from)
+    outer = _WrapsAnother(make_mlp().parameters(), lr=0.1)
+    inner = _WrapsAnother(make_mlp().parameters(), lr=0.1)
+    outer.__dict__["_optimizer"], inner.__dict__["_optimizer"] = inner, outer  # each wraps the other
+    assert unwrap_optimizer(outer) is inner  # followed once, then the cycle ends it
+    assert unwrap_optimizer(inner) is outer
+
+
+def test_an_optimizer_never_stepped_with_bnp_has_no_pending_update() -> None:
+    pre = BNPPreconditioner(make_mlp())
+    opt = torch.optim.SGD(pre.layers["0"].module.parameters(), lr=0.1)
+    assert pre._commits.pending(opt) is None
+    assert pre._commits.pending(_lightning(opt)) is None
