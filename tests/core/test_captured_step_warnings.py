@@ -84,3 +84,27 @@ def test_a_copy_leaves_the_captured_vectors_behind_and_an_older_pickle_loads() -
     kept = ([None], torch.zeros(1))
     newer.__setstate__({"running": True, "warned": set(), "owed": [], "captured": {7: kept}})
     assert newer.captured == {7: kept}  # a state that has it keeps it
+
+
+def test_each_set_of_layers_stepped_apart_keeps_its_own_captured_vector(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two optimizers' layers (two plans): each captured step folds into its own plan's vector, and the flush names
+    the layers of both."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    pre = BNPPreconditioner(net)
+    first, second = list(net[0].parameters()), list(net[1].parameters())
+
+    def step(x: torch.Tensor) -> None:
+        net(x).sum().backward()
+        pre.step(first)
+        pre.step(second)
+        net.zero_grad(set_to_none=True)
+
+    step(torch.randn(5, 3))
+    monkeypatch.setattr(step_warnings, "_captured", lambda peak: True)
+    x = torch.randn(5, 3)
+    x[0, 1] = float("nan")
+    step(x)
+    assert len(pre._step.plans) == 2 and len(pre._warnings.captured) == 2
+    names = [m.split(":")[0] for m in _messages(pre)]
+    assert sorted(names) == ["BNP layer '0' (Linear)", "BNP layer '1' (Linear)"]
