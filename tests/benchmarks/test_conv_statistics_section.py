@@ -37,10 +37,11 @@ def test_the_unfold_comparison_computes_the_same_statistics() -> None:
 
 @pytest.mark.slow
 def test_quick_section_alone_rewrites_only_its_section(tmp_path: Path) -> None:
+    # one seed and one torch thread, as in test_reproduce.py: this checks the section's text, not its numbers
     (tmp_path / "RESULTS.md").write_text(REPORT)
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.reproduce", "--sections", "conv_statistics", "--quick", "--out",
-         str(tmp_path), "--workers", "2"],
+         str(tmp_path), "--workers", "2", "--threads", "1", "--seeds", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -27,7 +27,9 @@ FIGURES = ("convergence.png", "kappa.png", "cost.png", "weight_conditioning.png"
 @pytest.mark.slow
 def test_quick_run_writes_report_and_figures(tmp_path: Path) -> None:
     proc = subprocess.run(
-        # one seed: this checks the report end to end, not the numbers (halves the suite's longest test)
+        # one seed: this checks the report end to end, not the numbers (halves the suite's longest test); one torch
+        # thread for the timings: with 2 on a machine whose cores the other test workers keep busy, each timed step
+        # waits on a thread that is not running (the quick timings took longer than all the training)
         [
             sys.executable,
             "-m",
@@ -39,6 +41,8 @@ def test_quick_run_writes_report_and_figures(tmp_path: Path) -> None:
             str(tmp_path),
             "--workers",
             "2",
+            "--threads",
+            "1",
         ],
         cwd=ROOT,
         capture_output=True,

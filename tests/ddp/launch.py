@@ -2,8 +2,8 @@
 (``rank*.pt`` in ``out``).
 
 A run on several devices is a subprocess (Lightning launches the other ranks from it). A one-process reference
-run (``--devices 1``) runs in this process: the same ``main`` with the same arguments, without the seconds a
-fresh interpreter spends importing torch and Lightning (issue 27: the suite's speed).
+run (``--devices 1``, or ``--single``) runs in this process: the same ``main`` with the same arguments, without the
+seconds a fresh interpreter spends importing torch and Lightning (issue 27: the suite's speed).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _one_process(args: tuple[str, ...]) -> bool:
-    return "--devices" in args and args[args.index("--devices") + 1] == "1"
+    return "--single" in args or ("--devices" in args and args[args.index("--devices") + 1] == "1")
 
 
 def run_worker(worker: str, out: Path, *args: str, cwd: Path = ROOT) -> list[dict[str, Any]]:

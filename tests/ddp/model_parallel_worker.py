@@ -6,7 +6,8 @@ Run as a script (Lightning's launcher re-executes it for the other rank)::
     python -m tests.ddp.model_parallel_worker --epochs 2 --out DIR [--ckpt-dir D] [--ckpt-in D/last.ckpt]
 
 Each rank writes ``DIR/rank{r}.pt``: the full parameters (gathered from the shards), the BNP statistics and the
-global step. ``--single`` runs the same fit in one process on the combined batch, unsharded (the reference).
+global step. ``--single`` runs the same fit in one process on the combined batch, unsharded (the reference;
+``tests.ddp.launch.run_worker`` runs it in the test's own process).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class SaveFinalState(pl.Callback):
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
@@ -86,7 +87,7 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", type=Path, default=None)
     parser.add_argument("--full-checkpoint", action="store_true", help="save_distributed_checkpoint=False")
     parser.add_argument("--single", action="store_true", help="one process on the combined batch, unsharded")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     bnp = BatchNormPreconditioning(verbose=False)
