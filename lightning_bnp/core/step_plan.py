@@ -106,7 +106,7 @@ class StepPlan:
             assert self.state is not None
             return [(self.state, after, False), (self.steps, finite, True)], self.views
         state = self.state
-        if state is None or state.shape != after.shape or state.dtype != after.dtype or state.device != after.device:
+        if state is None:  # (made once: a plan's layers, device and dtype are fixed, so they always fit)
             layout, total = self.layout, self.layout.total
             state = self.state = torch.empty_like(after)
             self.steps = torch.empty_like(steps_before)
