@@ -59,9 +59,8 @@ class PendingUpdate:
                 buffer.add_(value)
             else:
                 buffer.copy_(value)
-        for running, state in self.items:
-            if running.mean_acc is not state[0] or running.decay is not state[3] or running._steps is not state[2]:
-                running.assign(*state)
+        for running, state in self.items:  # (the views of the buffers: mostly the ones it holds already)
+            running.assign(*state)
         self.items.clear()
         self.writes.clear()
 

@@ -499,3 +499,22 @@ def test_a_layers_warning_points_at_the_line_that_called_precondition() -> None:
     with pytest.warns(BNPWarning, match="never ran") as record:
         pre.precondition()
     assert [w.filename for w in record] == [__file__]
+
+
+def test_statistics_set_by_hand_between_steps_are_used_and_the_steps_after_follow_them() -> None:
+    """The running state lives in the plan's buffers; an accumulator replaced by hand between steps (a reset) is
+    what the next step starts from, and every later step goes on from the state the previous one stored:
+    m = ρ·(ρ·0 + (1 − ρ)·μ₂) + (1 − ρ)·μ₃ after a reset to 0 following step 1, by hand."""
+    torch.manual_seed(0)
+    model, rho = nn.Linear(3, 2), 0.5
+    pre = BNPPreconditioner(model, rho=rho)
+    xs = [torch.randn(6, 3) + i for i in range(3)]
+    for i, x in enumerate(xs):
+        model(x).sum().backward()
+        pre.step()
+        model.zero_grad()
+        if i == 0:
+            pre.layers[""].running.mean_acc = torch.zeros(3)
+    expected = rho * ((1 - rho) * xs[1].mean(0)) + (1 - rho) * xs[2].mean(0)
+    torch.testing.assert_close(pre.layers[""].running.mean_acc, expected, rtol=1e-6, atol=1e-7)
+    assert pre.layers[""].running.steps == 3
