@@ -27,6 +27,7 @@ from torch import Tensor
 __all__ = [
     "Moments",
     "RunningStatistics",
+    "count_on_device",
     "ema_update",
     "statistics_dtype",
 ]
@@ -84,15 +85,15 @@ class Moments:
         return Moments(n, self.samples + other.samples, self.out_positions + other.out_positions, mean, var)
 
     def _merge_on_device(self, other: Moments) -> Moments:
-        rows_a, rows_b = _as_tensor(self.rows, self.mean), _as_tensor(other.rows, self.mean)
+        rows_a, rows_b = count_on_device(self.rows, self.mean), count_on_device(other.rows, self.mean)
         n = rows_a + rows_b
         share = rows_b / n.clamp_min(1.0)  # float64; 0 when both parts are empty
         delta = other.mean - self.mean
         mean = self.mean + delta * share.to(delta.dtype)
         var = torch.lerp(self.var, other.var, share.to(self.var.dtype))
         var = var + delta.square() * (share * (rows_a / n.clamp_min(1.0))).to(var.dtype)
-        samples = _as_tensor(self.samples, self.mean) + _as_tensor(other.samples, self.mean)
-        positions = _as_tensor(self.out_positions, self.mean) + _as_tensor(other.out_positions, self.mean)
+        samples = count_on_device(self.samples, self.mean) + count_on_device(other.samples, self.mean)
+        positions = count_on_device(self.out_positions, self.mean) + count_on_device(other.out_positions, self.mean)
         return Moments(n, samples, positions, mean, var)
 
     def pack(self) -> Tensor:
@@ -100,7 +101,7 @@ class Moments:
         counts = (self.rows, self.samples, self.out_positions)
         if self.mean.device.type != "cpu" or any(isinstance(c, Tensor) for c in counts):
             # (fills: a copy of host ints to a GPU would wait for every kernel queued before it)
-            head = torch.stack([_as_tensor(c, self.mean) for c in counts])
+            head = torch.stack([count_on_device(c, self.mean) for c in counts])
         else:
             head = torch.tensor(counts, dtype=torch.float64)
         return torch.cat([head, self.mean.double(), self.var.double()])
@@ -119,7 +120,7 @@ class Moments:
         return Moments(0, 0, 0, zeros, zeros.clone())
 
 
-def _as_tensor(count: int | Tensor, like: Tensor) -> Tensor:
+def count_on_device(count: int | Tensor, like: Tensor) -> Tensor:
     """A count as a float64 0-dim tensor on ``like``'s device (a fill, not a copy from the host: on CUDA a copy
     from pageable host memory waits for the device, and cannot be captured in a CUDA graph)."""
     if isinstance(count, Tensor):

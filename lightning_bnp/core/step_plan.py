@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_bnp.core.gradients import whole_bias_grad
 from lightning_bnp.core.layers import ManagedLayer
 from lightning_bnp.core.layout import FeatureLayout
-from lightning_bnp.core.statistics import Moments, RunningStatistics
+from lightning_bnp.core.statistics import Moments, RunningStatistics, count_on_device
 from lightning_bnp.core.step_math import StepConfig
 
 __all__ = ["StepPlan", "row_block_runs", "row_block_spans"]
@@ -123,17 +123,9 @@ class StepPlan:
 
     def device_counts(self, moments: list[Moments]) -> Tensor:
         """(rows, samples, out positions) per layer as one float64 tensor on the statistics' device."""
-        device = self.fan_in.device
         return torch.stack(
             [
-                torch.stack(
-                    [
-                        c.to(device, torch.float64)
-                        if isinstance(c, Tensor)
-                        else torch.full((), float(c), dtype=torch.float64, device=device)  # (no host copy: a fill)
-                        for c in counts
-                    ]
-                )
+                torch.stack([count_on_device(c, self.fan_in).to(self.fan_in.device, torch.float64) for c in counts])
                 for counts in ((m.rows, m.samples, m.out_positions) for m in moments)
             ]
         )
