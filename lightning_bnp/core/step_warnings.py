@@ -114,18 +114,17 @@ class StepWarnings:
 
     def warn(self, layer: ManagedLayer, cause: str, message: str) -> None:
         """Warn about ``layer`` unless it was already warned about for ``cause``."""
-        if (layer.name, cause) in self.warned:
-            return
-        self.warned.add((layer.name, cause))
-        message = f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}"
-        warnings.warn(message, BNPWarning, stacklevel=user_stacklevel())
+        if (layer.name, cause) not in self.warned:
+            self._warn((layer.name, cause), f"BNP layer {layer.name!r} ({type(layer.module).__name__}): {message}")
 
     def warn_once(self, cause: str, message: str) -> None:
         """Warn about the preconditioner as a whole (no layer named) unless it was already warned about for
         ``cause``."""
-        if (None, cause) in self.warned:
-            return
-        self.warned.add((None, cause))
+        if (None, cause) not in self.warned:
+            self._warn((None, cause), message)
+
+    def _warn(self, key: tuple[str | None, str], message: str) -> None:
+        self.warned.add(key)
         warnings.warn(message, BNPWarning, stacklevel=user_stacklevel())
 
     def owe(self, layers: list[ManagedLayer | None], peak: Tensor, alarm: Tensor) -> None:
