@@ -55,6 +55,22 @@ def make_cnn(seed: int = 0) -> nn.Sequential:
     )
 
 
+def seeded_batch(seed: int, n: int = 8) -> tuple[Tensor, Tensor]:
+    """``n`` rows of 6 features with uneven scales and offsets, and 3-class targets, from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g) * torch.logspace(-1, 1, 6) + 0.5, torch.randint(0, 3, (n,), generator=g)
+
+
+def bnp_train(model: nn.Module, pre: BNPPreconditioner, opt: torch.optim.Optimizer, seeds: range) -> None:
+    """Cross-entropy steps with ``pre.step(opt)`` before each update, on ``seeded_batch(seed)`` for each seed."""
+    for seed in seeds:
+        x, y = seeded_batch(seed)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step(opt)
+        opt.step()
+
+
 def make_data(n: int = 64, shape: tuple[int, ...] = (6,), classes: int = 3, seed: int = 1) -> TensorDataset:
     """Inputs with uneven feature scales and offsets, so BNP's transform is far from the identity."""
     g = torch.Generator().manual_seed(seed)

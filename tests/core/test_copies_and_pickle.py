@@ -22,21 +22,9 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
+from tests.helpers import bnp_train as train
 from tests.helpers import make_cnn, make_mlp
-
-
-def batch(seed: int, n: int = 8) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g) * torch.logspace(-1, 1, 6) + 0.5, torch.randint(0, 3, (n,), generator=g)
-
-
-def train(model: nn.Module, pre: BNPPreconditioner, opt: torch.optim.Optimizer, seeds: range) -> None:
-    for seed in seeds:
-        x, y = batch(seed)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        pre.step(opt)
-        opt.step()
+from tests.helpers import seeded_batch as batch
 
 
 def running(pre: BNPPreconditioner) -> dict[str, Tensor]:

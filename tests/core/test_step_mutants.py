@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_bnp.core import BNPPreconditioner
 from lightning_bnp.core.step import PreconditionerStep
 from lightning_bnp.core.step_math import step_math
 from lightning_bnp.core.step_warnings import StepWarnings
-from tests.helpers import make_mlp
+from tests.helpers import bnp_train, make_mlp, seeded_batch
 
 
 class GraphRecorder:
@@ -43,20 +43,9 @@ class GraphRecorder:
         return run
 
 
-def batch(seed: int, n: int = 8) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g) * torch.logspace(-1, 1, 6) + 0.5, torch.randint(0, 3, (n,), generator=g)
-
-
 def sgd_steps(model: nn.Module, pre: BNPPreconditioner, seeds: range) -> None:
-    """SGD (lr 0.1) with a BNP step before each update, on ``batch(seed)`` for each seed."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for seed in seeds:
-        x, y = batch(seed)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        pre.step(opt)
-        opt.step()
+    """SGD (lr 0.1) with a BNP step before each update, on ``seeded_batch(seed)`` for each seed."""
+    bnp_train(model, pre, torch.optim.SGD(model.parameters(), lr=0.1), seeds)
 
 
 def assert_same_parameters(model: nn.Module, reference: nn.Module) -> None:
@@ -126,7 +115,7 @@ def test_a_step_stores_its_running_statistics_update_unless_told_not_to() -> Non
             warnings=StepWarnings(running=True),
         )  # fmt: skip
         for net in (model, reference):
-            x, y = batch(0)
+            x, y = seeded_batch(0)
             F.cross_entropy(net(x), y).backward()
         layers = list(pre.layers.values())
         pending = step.precondition(layers, None) if commit is None else step.precondition(layers, None, commit=False)
