@@ -4,13 +4,14 @@ callbacks build from their ``init_args``, every ``.venv/bin/python -m`` command 
 strictly, and the API reference has an entry for every public name.
 
 One mechanism for the README and every page under ``docs/``: the snippets are the fenced blocks of the Markdown files
-(indented ones inside list items included). Python snippets run in a fresh interpreter in an empty folder, as a user
-pastes them. A bash block's commands run in order in one folder (a config that ``--print_config > file.yaml`` wrote
-is there for the next command); a command in running text runs alone. The ``-m`` commands run in this process through
-``runpy`` — what ``python -m`` itself does — with the command's arguments in ``sys.argv`` and the working directory
-that folder: the same code path without the seconds a new interpreter spends importing torch and Lightning. A fit on
-several devices (``--trainer.devices 2``) runs as a subprocess, as the user runs it: Lightning starts the other ranks
-by running the command again, and its process group must not outlive the command in this process. A command with a
+(indented ones inside list items included). Python snippets run in a new process in an empty folder, as a user pastes
+them (forked from an interpreter that has imported torch and Lightning and run nothing: ``warm_python.py``). A bash
+block's commands run in order in one folder (a config that ``--print_config > file.yaml`` wrote is there for the next
+command); a command in running text runs alone. The ``-m`` commands run in this process through ``runpy`` — what
+``python -m`` itself does — with the command's arguments in ``sys.argv`` and the working directory that folder: the same
+code path without the seconds a new interpreter spends importing torch and Lightning. A fit on several devices
+(``--trainer.devices 2``) runs as a new process (``warm_python.py``), as the user runs it: Lightning starts the other
+ranks by running the command again, and its process group must not outlive the command in this process. A command with a
 ``<placeholder>`` (a checkpoint the user's own run wrote) runs as ``--help``. Set-up commands (``make``, ``pip``,
 ``tensorboard``) are what the suite itself runs under."""
 
@@ -34,6 +35,7 @@ import yaml
 
 import lightning_bnp
 import lightning_bnp.core
+from tests.warm_python import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -95,9 +97,7 @@ def _env() -> dict[str, str]:
 def test_python_snippet_runs_as_written(where: str, code: str, tmp_path: Path) -> None:
     if code.startswith("# needs a CUDA device") and not torch.cuda.is_available():
         pytest.skip("a snippet that needs a CUDA device (it runs on the GPU machine)")
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
-    )
+    done = run_python("-c", code, cwd=tmp_path, env=_env())
     assert done.returncode == 0, f"{where}\n{done.stderr[-3000:]}"
 
 
@@ -127,9 +127,7 @@ def _run(run: tuple[str, ...], folder: Path, monkeypatch: pytest.MonkeyPatch) ->
     if args[-1] != "--help":  # a fit: its runs/ and data/ go to the folder; a config the group wrote is there
         args = [a if not a.endswith(".yaml") or (folder / a).exists() else str(ROOT / a) for a in args] + FAST_FIT
     if "--trainer.devices" in args and args[args.index("--trainer.devices") + 1] != "1":
-        done = subprocess.run(
-            [sys.executable, *args[1:]], cwd=folder, env=_env(), capture_output=True, text=True, timeout=600
-        )
+        done = run_python(*args[1:], cwd=folder, env=_env())
         assert done.returncode == 0, f"{run}: exit status {done.returncode}\n{done.stderr[-3000:]}"
         return
     monkeypatch.chdir(folder)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ from torch import nn
 
 from benchmarks.reproduce.conv_statistics import HEADER, splice, unfold_moments
 from lightning_bnp.core.moments import column_moments_of_input
+from tests.warm_python import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = "# Report\n\n## 5. Before\n\ntext\n\n---\nTraining runs: 3.\n"
@@ -39,10 +38,9 @@ def test_the_unfold_comparison_computes_the_same_statistics() -> None:
 def test_quick_section_alone_rewrites_only_its_section(tmp_path: Path) -> None:
     # one seed and one torch thread, as in test_reproduce.py: this checks the section's text, not its numbers
     (tmp_path / "RESULTS.md").write_text(REPORT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.reproduce", "--sections", "conv_statistics", "--quick", "--out",
-         str(tmp_path), "--workers", "2", "--threads", "1", "--seeds", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    proc = run_python(
+        "-m", "benchmarks.reproduce", "--sections", "conv_statistics", "--quick", "--out", str(tmp_path),
+        "--workers", "2", "--threads", "1", "--seeds", "1",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / "RESULTS.md").read_text()

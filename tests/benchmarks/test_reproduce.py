@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from benchmarks.reproduce.selection import Choice, choose, score
 from benchmarks.reproduce.settings import CONVERGENCE, WC, Setting, quick
 from example_projects.models import fc_network
 from lightning_bnp.core import BNPPreconditioner
+from tests.warm_python import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ("convergence.png", "kappa.png", "cost.png", "weight_conditioning.png")
@@ -26,28 +25,21 @@ FIGURES = ("convergence.png", "kappa.png", "cost.png", "weight_conditioning.png"
 
 @pytest.mark.slow
 def test_quick_run_writes_report_and_figures(tmp_path: Path) -> None:
-    proc = subprocess.run(
+    proc = run_python(
         # one seed: this checks the report end to end, not the numbers (halves the suite's longest test); one torch
         # thread for the timings: with 2 on a machine whose cores the other test workers keep busy, each timed step
         # waits on a thread that is not running (the quick timings took longer than all the training)
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.reproduce",
-            "--quick",
-            "--seeds",
-            "1",
-            "--out",
-            str(tmp_path),
-            "--workers",
-            "2",
-            "--threads",
-            "1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        "-m",
+        "benchmarks.reproduce",
+        "--quick",
+        "--seeds",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--workers",
+        "2",
+        "--threads",
+        "1",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / "RESULTS.md").read_text()
@@ -68,9 +60,7 @@ def test_quick_run_writes_report_and_figures(tmp_path: Path) -> None:
 
 
 def test_bad_arguments_name_the_option() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.reproduce", "--seeds", "0"], cwd=ROOT, capture_output=True, text=True
-    )
+    proc = run_python("-m", "benchmarks.reproduce", "--seeds", "0")
     assert proc.returncode == 2
     assert "--seeds must be a positive integer, got 0" in proc.stderr
 

@@ -4,8 +4,6 @@ verdicts rest on."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,13 +14,14 @@ from benchmarks.transformers import report
 from benchmarks.transformers.main import jobs_of, train_all
 from benchmarks.transformers.runs import CHANCE, SETTINGS, Job, Run, Setting, lm_windows, train
 from example_projects.transformers import torch_corpus
+from tests.warm_python import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _command(out: Path, cache: Path, *extra: str) -> list[str]:
     quick = ["--quick", "--jobs", "2", "--out", str(out), "--data-cache", str(cache)]
-    return [sys.executable, "-m", "benchmarks.transformers", *quick, *extra]
+    return ["-m", "benchmarks.transformers", *quick, *extra]
 
 
 @pytest.mark.slow
@@ -30,13 +29,7 @@ def test_quick_run_splices_section_7_into_results(tmp_path: Path) -> None:
     existing = "# Report\n\n## 6. Earlier section\n\nkept\n\n---\nTraining runs: 1.\n"
     (tmp_path / "RESULTS.md").write_text(existing)
     cache = tmp_path / "data.pt"
-    proc = subprocess.run(
-        _command(tmp_path, cache),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_python(*_command(tmp_path, cache))
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / "RESULTS.md").read_text()
     assert text.startswith("# Report\n\n## 6. Earlier section\n\nkept\n\n## 7. Transformers")
@@ -49,21 +42,13 @@ def test_quick_run_splices_section_7_into_results(tmp_path: Path) -> None:
     assert (tmp_path / "results" / "transformers.png").stat().st_size < 150_000
     assert cache.is_file()
     # the section alone again, from the saved runs: the same text
-    again = subprocess.run(
-        _command(tmp_path, cache, "--rerender"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = run_python(*_command(tmp_path, cache, "--rerender"), timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "RESULTS.md").read_text() == text
 
 
 def test_bad_arguments_name_the_option() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.transformers", "--jobs", "0"], cwd=ROOT, capture_output=True, text=True
-    )
+    proc = run_python("-m", "benchmarks.transformers", "--jobs", "0")
     assert proc.returncode == 2
     assert "--jobs must be a positive integer, got 0" in proc.stderr
 

@@ -1,7 +1,8 @@
 """Run a DDP worker module (``python -m tests.ddp.<worker>``) and read back the per-rank state files it wrote
 (``rank*.pt`` in ``out``).
 
-A run on several devices is a subprocess (Lightning launches the other ranks from it). A one-process reference
+A run on several devices is a new process (forked from a warm interpreter: ``tests/warm_python.py``; Lightning
+launches the other ranks from it). A one-process reference
 run (``--devices 1``, or ``--single``) runs in this process: the same ``main`` with the same arguments, without the
 seconds a fresh interpreter spends importing torch and Lightning (issue 27: the suite's speed).
 """
@@ -11,8 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import subprocess
-import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.warm_python import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,8 +38,7 @@ def run_worker(worker: str, out: Path, *args: str, cwd: Path = ROOT) -> list[dic
         importlib.import_module(f"tests.ddp.{worker}").main(argv)
     else:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-        cmd = [sys.executable, "-m", f"tests.ddp.{worker}", *argv]
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        proc = run_python("-m", f"tests.ddp.{worker}", *argv, cwd=cwd, env=env, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(path, weights_only=False) for path in sorted(out.glob("rank*.pt"))]
 
