@@ -153,14 +153,17 @@ class StatisticsCollection:
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             # statistics only from training forward passes that build a graph for a gradient
-            if not (self.collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad):
+            if not (self.collecting and module.training and torch.is_grad_enabled()):
+                return
+            weight = layer.weight  # (looked up once per call: a property that follows reparametrizations)
+            if not weight.requires_grad:
                 return
             if default_input:  # forward(input): inline, as it runs at every forward call
                 h = args[0] if args else kwargs.get(input_name)
             else:
                 h = layer_input(module, args, kwargs)
             if isinstance(h, Tensor) and isinstance(output, Tensor):
-                self._record(layer, module, args, kwargs, h, output, moments)
+                self._record(layer, module, args, kwargs, h, output, moments, weight)
 
         return hook
 
@@ -173,10 +176,12 @@ class StatisticsCollection:
         h: Tensor,
         out: Tensor,
         moments: Callable[[nn.Module, Tensor, Tensor], Moments],
+        weight: Tensor,
     ) -> None:
         """Count the moments of one (input, output) pair of a training forward call: ``moments`` reduces ``h`` (on
         ``h.detach()``: it records no graph) unless a token mask applies or ``h`` is nested; they join the step once
-        the backward reaches ``out``, or at once in a traced forward (README, "torch.compile")."""
+        the backward reaches ``out``, or at once in a traced forward (README, "torch.compile"). ``weight``: the
+        layer's weight attribute as this forward found it."""
         special = None
         if self.masks.mask is not None or h.is_nested:  # token masks, jagged rows
             special = self.masks.moments_of(layer, module, args, kwargs, h, out)
@@ -188,7 +193,7 @@ class StatisticsCollection:
             # the tensor this forward used as the weight (the module's attribute now: torch.func.functional_call
             # swaps in its own tensors) is not the leaf BNP manages: its gradient lands elsewhere
             leaf = self.leaves.get(layer.name)
-            foreign = leaf is not None and layer.weight is not leaf()
+            foreign = leaf is not None and weight is not leaf()
             node.register_prehook(
                 self._count_when_reached(layer, moments(module, h, out) if special is None else special, foreign)
             )
@@ -231,9 +236,10 @@ class StatisticsCollection:
                 calls = kind.calls(module, args, kwargs, output)
             else:
                 return
+            weight = layer.weight
             for h, out in calls:
                 if isinstance(h, Tensor) and isinstance(out, Tensor):
-                    self._record(layer, module, args, kwargs, h, out, reduce)
+                    self._record(layer, module, args, kwargs, h, out, reduce, weight)
 
         handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
         return handles
