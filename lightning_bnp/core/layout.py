@@ -65,6 +65,7 @@ class FeatureLayout:
         # the running state of a step is one vector [m ; v ; d] (d = ρ^t per layer): the layer of each entry
         layers = torch.arange(len(self.sizes), device=device)
         self.state_owner = torch.cat([self.owner, self.owner, layers])
+        self.state_sizes = [self.total, self.total, len(self.sizes)]  # [m ; v ; d] (one call splits it)
         # the batch value of d = ρ^t + κ in the running update: d ← ρ·d + (1 − ρ)·κ
         self.decay_target = torch.full((len(self.sizes),), decay_offset, dtype=dtype, device=device)
         self.ceiling = variance_ceiling(dtype)

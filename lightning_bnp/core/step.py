@@ -209,11 +209,11 @@ class PreconditionerStep:
                 entry_q2s = [q2s[i] if n == 1 else values[i : i + n].view(n, 1) for i, n in spans]
             else:  # (the blocks of one entry have one q²: row_block_spans)
                 entry_q2s = [q2s[i] for i, _ in spans]
-        config = plan.config(self.settings, one_row, spans, ready)
         entry_w, entry_b = grads_w, grads_b
         if len(spans) < len(ready):  # a run of row blocks: its whole gradient and bias gradient
             entry_w = [grads_w[i] if n == 1 else ready[i][2] for i, n in spans]
             entry_b = [grads_b[i] if n == 1 else whole_bias_grad(ready[i][0]) for i, n in spans]
+        config = plan.config(self.settings, one_row, spans, ready, entry_w)
         means, variances = [m.mean for m in moments], [m.var for m in moments]
         mu, var_t, after, finite, peak, q2_out = math(
             layout, config, means, variances, running_mus, before, counts, fan_in, q2_flat, entry_q2s,

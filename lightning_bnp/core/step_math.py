@@ -36,6 +36,8 @@ class StepConfig:
     spans: tuple[tuple[int, int], ...]
     sizes: tuple[int, ...]
     groups: tuple[int, ...]
+    # per entry, how its gradient meets its statistics and bias gradient (transform.broadcast_shapes)
+    shapes: tuple[tuple[Any, ...], ...]
 
 
 def step_math(
@@ -68,10 +70,9 @@ def step_math(
         before saturation, q² per layer when pooled);
         the gradients are transformed in place.
     """
-    total = layout.total
     # [μ_H ; σ²_H ; κ] of every layer (κ: the batch value of d = ρ^t + κ, so that d − κ ← ρ·(d − κ) in the same update)
     batch = torch.cat(means + variances + ([layout.decay_target] if config.running else []))
-    mu_h, var_h = batch[:total], batch[total : 2 * total]
+    mu_h, var_h = batch.split_with_sizes(layout.state_sizes if config.running else layout.state_sizes[:2])[:2]
     for i, running_mu in zip(config.one_row, running_mus):  # N = 1: σ²_H = (h − μ)², μ before the update
         part = layout.slice(i)
         one_row = (mu_h[part] - running_mu.to(mu_h.dtype)).square()
@@ -98,7 +99,7 @@ def step_math(
         # a layer whose moments are not finite keeps its state (and step count): P uses what was stored
         finite = torch.eq(peak, peak)
         after = torch.where(finite.index_select(0, layout.state_owner), after, before)
-        mean_acc, var_acc, decay = after[:total], after[total : 2 * total], after[2 * total :]
+        mean_acc, var_acc, decay = after.split_with_sizes(layout.state_sizes)
         if config.bias_correction:  # μ = m/(1 − ρ^t), σ² = v/(1 − ρ^t)
             scale = torch.reciprocal(1.0 - decay).index_select(0, layout.owner)
             mu, var = mean_acc * scale, var_acc * scale
@@ -121,5 +122,5 @@ def step_math(
     assert q2_flat is not None
     mus = [m if grad_b is not None else None for m, grad_b in zip(mu.split_with_sizes(config.sizes), grads_b)]
     scales = (var_t * q2_flat).split_with_sizes(config.sizes)  # q²σ̃², all layers in one product
-    precondition_scaled_(grads_w, grads_b, mus, scales, q2s, list(config.groups))
+    precondition_scaled_(grads_w, grads_b, mus, scales, q2s, config.groups, config.shapes)
     return mu, var_t, after, finite, peak, q2_out

@@ -19,6 +19,7 @@ from lightning_bnp.core.layers import ManagedLayer
 from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.statistics import Moments, RunningStatistics, count_on_device
 from lightning_bnp.core.step_math import StepConfig
+from lightning_bnp.core.transform import broadcast_shapes
 
 __all__ = ["StepPlan", "row_block_runs", "row_block_spans"]
 
@@ -67,14 +68,15 @@ class StepPlan:
         self.alarm = torch.zeros(len(layers), dtype=dtype, device=device)
 
     def config(self, settings: tuple[bool, bool, float, float, float], one_row: tuple[int, ...], spans: Any,
-               ready: list[Ready]) -> StepConfig:  # fmt: skip
+               ready: list[Ready], entry_w: list[Tensor]) -> StepConfig:  # fmt: skip
         """The step's constants (``settings``: running, bias correction, ρ, ε1, ε2), built once per N = 1 pattern
-        and entries."""
+        and entries (``entry_w``: each entry's weight gradient, whose shape is its layer's)."""
         config = self.configs.get((one_row, spans))
         if config is None:
             sizes = tuple(sum(self.layout.sizes[i : i + n]) for i, n in spans)
             groups = tuple(ready[i][0].groups if n == 1 else n for i, n in spans)
-            config = self.configs[(one_row, spans)] = StepConfig(*settings, one_row, spans, sizes, groups)
+            shapes = tuple(broadcast_shapes(w, k, size) for w, k, size in zip(entry_w, groups, sizes))
+            config = self.configs[(one_row, spans)] = StepConfig(*settings, one_row, spans, sizes, groups, shapes)
         return config
 
     def state_before(self, runnings: list[RunningStatistics], like: Tensor) -> tuple[Tensor, Tensor]:

@@ -29,11 +29,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["precondition_", "precondition_many_", "precondition_scaled_", "q_squared", "var_tilde"]
+__all__ = ["broadcast_shapes", "precondition_", "precondition_many_", "precondition_scaled_", "q_squared", "var_tilde"]
 
 
 def var_tilde(var: Tensor, eps1: float, eps2: float, maxima: Tensor | None = None) -> Tensor:
@@ -137,6 +138,14 @@ def precondition_many_(
     precondition_scaled_(grads_w, grads_b, mus, scales, q2s, groups)
 
 
+def broadcast_shapes(grad_w: Tensor, groups: int, features: int) -> tuple[Any, ...]:
+    """How a weight gradient meets its statistics vectors of ``features`` entries and its bias gradient: the
+    ``(gradient view, statistics view, bias view, per_column)`` that :func:`precondition_scaled_` uses, fixed for a
+    layer (a step's plan computes them once: :class:`~lightning_bnp.core.step_math.StepConfig`)."""
+    shapes = _broadcast_shapes.__wrapped__ if torch.compiler.is_compiling() else _broadcast_shapes
+    return shapes(tuple(grad_w.shape), groups, features)
+
+
 def precondition_scaled_(
     grads_w: Sequence[Tensor],
     grads_b: Sequence[Tensor | None],
@@ -144,6 +153,7 @@ def precondition_scaled_(
     scales: Sequence[Tensor],
     q2s: Sequence[float | Tensor],
     groups: Sequence[int],
+    shapes: Sequence[tuple[Any, ...]] | None = None,
 ) -> None:
     """:func:`precondition_many_` given ``scales`` = q²·σ̃² per layer (the step computes them for all layers
     in one flat product). Every elementwise step is one foreach call for all layers, on views that need no
@@ -153,12 +163,15 @@ def precondition_scaled_(
     statistics (``nn.MultiheadAttention``'s q, k, v): the gradient (n·out, in) with ``groups`` = n, μ and
     q²σ̃² the n layers' vectors one after another (n·in,), the bias gradient (n·out,), and q² one float for
     all blocks or a (n, 1) tensor. The grouped views then give each block its own μ and σ̃², and the bias
-    update is one batched product for the n blocks (issue 24)."""
+    update is one batched product for the n blocks (issue 24).
+
+    ``shapes``: each entry's :func:`broadcast_shapes`, when the caller has them (else they are looked up)."""
     with torch.no_grad():
         gw, scale_w, centred, mu_w, gb_w, columns = [], [], [], [], [], []
         for i, (g, k, scale, gb, mu) in enumerate(zip(grads_w, groups, scales, grads_b, mus)):
-            shapes = _broadcast_shapes.__wrapped__ if torch.compiler.is_compiling() else _broadcast_shapes
-            g_shape, v_shape, b_shape, per_column = shapes(tuple(g.shape), k, scale.numel())
+            g_shape, v_shape, b_shape, per_column = (
+                broadcast_shapes(g, k, scale.numel()) if shapes is None else shapes[i]
+            )
             columns.append(per_column)
             g = g if g_shape is None else g.view(g_shape)
             # q²σ̃² stays in the statistics' dtype (float32 for a half model): the division rounds once, into the
