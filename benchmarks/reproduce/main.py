@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import pickle
 import platform
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import worker_processes
 from benchmarks.reproduce import conv_statistics, convergence, cost, default_start, kappa, weight_conditioning
 from benchmarks.reproduce.runs import Job, Run, task
 from benchmarks.reproduce.selection import choose
@@ -80,7 +80,7 @@ def train_all(settings: list[Setting], workers: int) -> dict[Job, Run]:
     ordered = sorted(jobs, key=lambda j: -j.cost)
     results: dict[Job, Run] = {}
     start = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=worker_processes("benchmarks.reproduce.runs")) as pool:
         for i, (job, run) in enumerate(pool.map(task, ordered, chunksize=1)):
             results[job] = run
             if (i + 1) % 50 == 0 or i + 1 == len(ordered):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import pickle
 import platform
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from benchmarks import worker_processes
 from benchmarks.transformers import report
 from benchmarks.transformers.data import load, prepare
 from benchmarks.transformers.runs import SETTINGS, Job, Run, Setting, build, optimizer, quick, scaled, task
@@ -87,8 +87,9 @@ def jobs_of(settings: list[Setting], device: str, cache: str | None) -> list[Job
 
 
 def train_all(jobs: list[Job], workers: int, deadline_s: float | None = None) -> dict[Job, Run]:
-    """Every job, in ``workers`` spawned processes (in this process when 1). With ``deadline_s``, no run starts
-    after that many seconds: the runs under way finish, the others are left out (the report says which)."""
+    """Every job, in ``workers`` worker processes (:func:`benchmarks.worker_processes`; in this process when 1).
+    With ``deadline_s``, no run starts after that many seconds: the runs under way finish, the others are left out
+    (the report says which)."""
     results: dict[Job, Run] = {}
     start = time.perf_counter()
     total, finished = sum(j.cost for j in jobs), 0.0
@@ -113,7 +114,8 @@ def train_all(jobs: list[Job], workers: int, deadline_s: float | None = None) ->
             done(*task(job))
         torch.set_num_threads(threads)
     else:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        context = worker_processes("benchmarks.transformers.runs", cuda=any(job.device != "cpu" for job in jobs))
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
             pending = {pool.submit(task, job) for job in jobs}  # the pool starts them in this (longest-first) order
             while pending:
                 ready, pending = wait(pending, timeout=5.0, return_when=FIRST_COMPLETED)
