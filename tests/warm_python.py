@@ -39,8 +39,13 @@ def _child(request: dict[str, Any]) -> int:
     import types
 
     os.setsid()  # its own session: a timeout kills it and the ranks it launched together
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], 0), (2, request["stderr"], 0)):
-        opened = os.open(path, flags or os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    written = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, path, flags in (
+        (0, os.devnull, os.O_RDONLY),
+        (1, request["stdout"], written),
+        (2, request["stderr"], written),
+    ):
+        opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
     os.chdir(request["cwd"])
