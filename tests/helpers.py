@@ -148,3 +148,14 @@ def spy_moments(pre: BNPPreconditioner) -> dict[str, Moments]:
 
     pre._step.transform = recording  # type: ignore[method-assign]
     return seen
+
+
+class Affine(nn.Module):
+    """A linear-like layer no layer kind names: ``x @ matrix`` (BNP leaves it alone as an unknown layer type)."""
+
+    def __init__(self, features: int = 4) -> None:
+        super().__init__()
+        self.matrix = nn.Parameter(torch.eye(features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.matrix

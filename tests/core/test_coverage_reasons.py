@@ -12,6 +12,7 @@ from torch.nn.utils import parametrizations, parametrize
 
 from lightning_bnp import BNPPreconditioner
 from lightning_bnp.core.conditioning import Equilibration
+from tests.helpers import Affine
 
 FOLLOWS_NOT = "; the optimizer updates those tensors, whose gradient is Jᵀ·∂L/∂weight, for which BNP's transform "
 FOLLOWS_NOT += "(eq. 15) has no exact form"
@@ -102,17 +103,6 @@ def test_an_equilibrated_layer_left_out_by_name_is_named_for_that_not_as_reparam
     managed.detach()
 
 
-class Affine(nn.Module):
-    """Not a layer kind: ``x @ matrix``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.matrix = nn.Parameter(torch.eye(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.matrix
-
-
 class Double(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * x
@@ -123,7 +113,7 @@ def test_a_parametrized_module_of_an_unknown_type_is_named_by_its_own_class() ->
     affine = Affine()
     parametrize.register_parametrization(affine, "matrix", Double())
     pre = BNPPreconditioner(nn.Sequential(affine, nn.Linear(4, 4)))
-    expected = "unknown layer type tests.core.test_coverage_reasons.Affine (teach BNP with register_layer_kind)"
+    expected = "unknown layer type tests.helpers.Affine (teach BNP with register_layer_kind)"
     assert pre.skipped == {"0.parametrizations.matrix.original": expected}
     pre.detach()
 

@@ -17,7 +17,7 @@ from lightning_bnp.core.kinds import ConvNdKind, layer_kinds, unregister_layer_k
 from lightning_bnp.core.moments import feature_moments, masked_feature_moments
 from lightning_bnp.core.preconditioner import BNPWarning
 from lightning_bnp.core.statistics import Moments
-from tests.helpers import spy_moments
+from tests.helpers import Affine, spy_moments
 from tests.transposed import TransposedLinear, as_linear_parameters, transposed
 
 
@@ -128,15 +128,6 @@ def test_a_kind_registered_later_is_accepted_in_layer_types_and_unknown_names_ar
 
 
 # ----------------------------------------------------------------- what BNP leaves alone
-class Affine(nn.Module):
-    """A linear-like layer BNP does not know."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.matrix = nn.Parameter(torch.randn(4, 4))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x @ self.matrix
 
 
 def test_skipped_names_each_weight_matrix_bnp_leaves_alone_with_its_reason() -> None:
@@ -148,7 +139,7 @@ def test_skipped_names_each_weight_matrix_bnp_leaves_alone_with_its_reason() -> 
     pre = BNPPreconditioner(model, exclude="2")
     assert pre.coverage.transformed == ("0.weight",)
     assert pre.skipped == {
-        "1.matrix": "unknown layer type tests.core.test_layer_kinds.Affine (teach BNP with register_layer_kind)",
+        "1.matrix": "unknown layer type tests.helpers.Affine (teach BNP with register_layer_kind)",
         "2.weight": "excluded by `exclude` pattern '2'",
         "4.weight": "unknown layer type torch.nn.modules.conv.ConvTranspose1d (teach BNP with register_layer_kind)",
         "5.weight": "embedding (embeddings=False)",
@@ -156,7 +147,7 @@ def test_skipped_names_each_weight_matrix_bnp_leaves_alone_with_its_reason() -> 
     }
     assert pre.report(limit=2) == (
         "BNP transforms 1 of the model's 5 trainable weight matrices; it leaves alone 1.matrix (unknown layer type "
-        "tests.core.test_layer_kinds.Affine (teach BNP with register_layer_kind)); 2.weight (excluded by `exclude` "
+        "tests.helpers.Affine (teach BNP with register_layer_kind)); 2.weight (excluded by `exclude` "
         "pattern '2'); and 3 more"
     )
     assert BNPPreconditioner(nn.Sequential(nn.Linear(2, 2))).report() == (

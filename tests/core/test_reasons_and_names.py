@@ -16,6 +16,7 @@ from torch.nn.utils import parametrizations
 from lightning_bnp import BNPPreconditioner
 from lightning_bnp.core.kinds import LayerKind, register_layer_kind, unregister_layer_kind
 from lightning_bnp.core.layers import BNPWarning
+from tests.helpers import Affine
 
 
 class RootFunctional(nn.Module):
@@ -146,28 +147,17 @@ def test_convnexts_layer_scale_is_named_an_elementwise_scale_not_an_unknown_laye
     counted among the weight matrices; a real unknown layer's matrix still names its type."""
     from torchvision.models.convnext import CNBlock
 
-    model = nn.Sequential(CNBlock(8, layer_scale=1e-6, stochastic_depth_prob=0.0), Affine())
+    model = nn.Sequential(CNBlock(8, layer_scale=1e-6, stochastic_depth_prob=0.0), Affine(8))
     pre = BNPPreconditioner(model)
     scale = "elementwise scale or shift of CNBlock, shape (8, 1, 1): not a layer's weight matrix (one dimension "
     scale += "above 1), left to the optimizer"
-    unknown = "unknown layer type tests.core.test_reasons_and_names.Affine (teach BNP with register_layer_kind)"
+    unknown = "unknown layer type tests.helpers.Affine (teach BNP with register_layer_kind)"
     assert pre.skipped == {"0.layer_scale": scale, "1.matrix": unknown}
     assert pre.report() == (
         f"BNP transforms 3 of the model's 4 trainable weight matrices; it leaves alone 0.layer_scale ({scale}); "
         f"1.matrix ({unknown})"
     )
     pre.detach()
-
-
-class Affine(nn.Module):
-    """Not a layer kind: ``x @ matrix``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.matrix = nn.Parameter(torch.eye(8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.matrix
 
 
 DETACHED = (
