@@ -175,7 +175,7 @@ def make_layers(
         for parameter in module._parameters.values():
             owner = managed.get(id(parameter))
             # a frozen weight (e.g. GPT-2's tied lm_head / wte under LoRA) has no gradient to share
-            if owner is not None and parameter.requires_grad:
+            if owner is not None and parameter is not None and parameter.requires_grad:
                 warnings.warn(
                     f"BNP layer {owner!r} shares its weight with {name!r} ({type(module).__name__}), which BNP does "
                     f"not manage: the shared gradient includes {name!r}'s contribution but P is built from "
