@@ -169,6 +169,7 @@ class _HookTimingProfiler(Profiler):
     def teardown(self, stage: Optional[str]) -> None:
         """Nothing: the Trainer's ``describe()`` tears its profiler down once the report is written."""
 
+    @override
     def __del__(self) -> None:
         """Nothing (``Profiler.__del__`` would tear down the Trainer's profiler before its report)."""
 
