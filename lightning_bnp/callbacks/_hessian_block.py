@@ -4,13 +4,19 @@ For output neuron i of a Linear/ConvNd layer, ŵ = [b_i; w_i] and ∇²_ŵ L is 
 loss (:class:`._probes.StepLoss`, :func:`lightning_bnp.core.metrics.neuron_hessians`); in z (ŵ = P z) it is
 Pᵀ ∇²_ŵ L P with the P of BNP's latest step. :func:`hessian_metrics` turns both into the monitor's tags:
 
-* ``bnp/hessian_kappa/<layer>/original|preconditioned`` — κ = max|λ| / min nonzero |λ|;
+* ``bnp/hessian_kappa/<layer>/original|preconditioned`` — κ = max|λ| / min nonzero |λ|, where |λ| ≤ τ·max|λ|
+  counts as zero (τ = ``hessian_rtol``, default n·eps of the Hessian's dtype, so κ ≤ 1/τ). Both κ of a BNP layer
+  count the same number of eigenvalues, the smaller of the two ranks: Pᵀ ∇²L P has the rank of ∇²L (P is
+  invertible), so an eigenvalue counted on one side only sits at the threshold — near-null eigenvalues of a
+  block late in training (samples the network fits with p ≈ 1 add curvature p(1 − p) ≈ 0) would otherwise
+  count on one side and make the gain the distance of that eigenvalue to the threshold;
 * ``bnp/hessian_log10_kappa/<layer>/original|preconditioned|gain`` — the same in decades, and log10 of the gain
   κ original / κ preconditioned (κ spans many decades from record to record, so a linear chart of it shows
   all but its largest values as 0; in decades every curve is readable and the gain is the gap between two);
 * ``bnp/hessian_kappa_gain/<layer>`` — the gain κ original / κ preconditioned of the same block at the same step,
   what §5.1 compares with κ(D)²;
-* ``bnp/hessian_min_ratio/<layer>/…`` (λ_min / max|λ|, signed) and ``bnp/hessian_rank/<layer>``.
+* ``bnp/hessian_min_ratio/<layer>/…`` (λ_min / max|λ|, signed) and ``bnp/hessian_rank/<layer>`` (the number
+  of eigenvalues both κ count).
 
 The log10 and gain tags exist only where their κ are finite, so a block whose κ cannot be computed warns once,
 through its ``hessian_kappa`` tag.
@@ -83,14 +89,19 @@ def hessian_metrics(
     dtype = torch.float64 if precision == "float64" else None
     for name, (_, key_b, index), h in zip(used, blocks, step.in_dtype(dtype, hessians)):
         original = M.spectrum(h, rtol)
+        conditioned = None
+        if pre is not None and name in pre.layers:
+            p = probes.neuron_p(pre, pre.layers[name], index, centred=key_b is not None).to(h.device)
+            conditioned = M.spectrum(p.T @ h.double() @ p, rtol or h.shape[0] * torch.finfo(h.dtype).eps)
+            # one rank for both (P is invertible): a near-null eigenvalue counted on one side only would make
+            # the gain the distance of that eigenvalue to the threshold
+            original, conditioned = M.common_rank(original, conditioned)
         _keep(spectra, f"bnp/hessian_spectrum/{name}/original", original)
         metrics[f"bnp/hessian_kappa/{name}/original"] = original.kappa
         metrics[f"bnp/hessian_min_ratio/{name}/original"] = probes.min_ratio(original)
         metrics[f"bnp/hessian_rank/{name}"] = float(original.rank)
         metrics.update(_readable(name, "original", original.kappa))
-        if pre is not None and name in pre.layers:
-            p = probes.neuron_p(pre, pre.layers[name], index, centred=key_b is not None).to(h.device)
-            conditioned = M.spectrum(p.T @ h.double() @ p, rtol or h.shape[0] * torch.finfo(h.dtype).eps)
+        if conditioned is not None:
             _keep(spectra, f"bnp/hessian_spectrum/{name}/preconditioned", conditioned)
             metrics[f"bnp/hessian_kappa/{name}/preconditioned"] = conditioned.kappa
             metrics[f"bnp/hessian_min_ratio/{name}/preconditioned"] = probes.min_ratio(conditioned)

@@ -120,12 +120,23 @@ class _HookTimingProfiler(Profiler):
     Lightning wraps each callback hook in ``trainer.profiler.profile(action)`` (``trainer/call.py``), so this
     times other callbacks' hooks without touching them. ``measurement``: time spent inside the step window is
     also added to ``"measurement"``, which ``step_ms`` leaves out.
+
+    The Trainer's profiler keeps its own life cycle: the Trainer runs its ``describe`` (which writes the
+    report, then tears it down) after :meth:`TimingMonitor.teardown` put it back. So this stand-in never
+    tears down the profiler it forwards to — ``Profiler.__del__`` tears down ``self`` when the stand-in is
+    collected, which would empty ``AdvancedProfiler``'s report and leave ``PyTorchProfiler`` unable to
+    write one. Other attributes (``recorded_durations``, ``dirpath``, …) are read from the Trainer's profiler.
     """
 
     def __init__(self, inner: Profiler, monitor: TimingMonitor, timed: dict[str, tuple[tuple[str, ...], bool]]) -> None:
-        super().__init__()
+        # no `super().__init__()`: `dirpath`, `filename`, `_stage`, … are the Trainer's profiler's (`__getattr__`)
         self.inner, self.monitor, self.timed = inner, monitor, timed
         self._tokens: dict[str, tuple[Any, bool]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (unpickling, a half-built instance): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     @override
     def start(self, action_name: str) -> None:
@@ -147,16 +158,20 @@ class _HookTimingProfiler(Profiler):
         return self.inner.summary()
 
     @override
-    def describe(self) -> None:
+    def describe(self) -> None:  # only if the stand-in is still in place when the Trainer reports
         self.inner.describe()
 
     @override
     def setup(self, stage: str, local_rank: Optional[int] = None, log_dir: Optional[str] = None) -> None:
-        self.inner.setup(stage, local_rank, log_dir)
+        self.inner.setup(stage, local_rank, log_dir)  # a Trainer run that starts with the stand-in still in place
 
     @override
     def teardown(self, stage: Optional[str]) -> None:
-        self.inner.teardown(stage)
+        """Nothing: the Trainer's ``describe()`` tears its profiler down once the report is written."""
+
+    @override
+    def __del__(self) -> None:
+        """Nothing (``Profiler.__del__`` would tear down the Trainer's profiler before its report)."""
 
 
 class TimingMonitor(ArgumentsRepr, Callback):

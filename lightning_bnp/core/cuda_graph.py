@@ -39,9 +39,9 @@ class GraphedTrainingStep:
     Returns (a call): the loss, a tensor the next call overwrites (``.item()`` or ``.clone()`` it to keep it).
 
     Raises:
-        ValueError: ``warmup_steps`` < 1, or an optimizer with ``capturable=False``; (a call) a batch whose
-            tensors' shapes are not the captured ones.
-        RuntimeError: no CUDA device.
+        ValueError: ``warmup_steps`` < 1, or (on a machine with CUDA) an optimizer with ``capturable=False``;
+            (a call) a batch whose tensors' shapes are not the captured ones.
+        RuntimeError: no CUDA device (checked before the optimizer's options).
     """
 
     def __init__(
@@ -54,6 +54,12 @@ class GraphedTrainingStep:
     ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"`warmup_steps` must be an int ≥ 1 (BNP plans its step there), got {warmup_steps!r}")
+        if not torch.cuda.is_available():  # before the optimizer's options, which only matter for a CUDA graph
+            raise RuntimeError(
+                "GraphedTrainingStep needs a CUDA device (torch.cuda.is_available() is False): a CUDA graph captures "
+                "CUDA kernels. Without one, run the step eagerly: loss.backward(); pre.step(optimizer); "
+                "optimizer.step()"
+            )
         inner = unwrap_optimizer(optimizer)
         for i, group in enumerate(inner.param_groups):
             if group.get("capturable") is False:
@@ -61,8 +67,6 @@ class GraphedTrainingStep:
                     f"`optimizer` ({type(inner).__name__}) has capturable=False in param group {i}: a CUDA graph "
                     f"replays its step only with capturable=True (e.g. torch.optim.Adam(..., capturable=True))"
                 )
-        if not torch.cuda.is_available():
-            raise RuntimeError("GraphedTrainingStep needs a CUDA device (torch.cuda.is_available() is False)")
         self.loss_of, self.optimizer, self.preconditioner = loss_of, inner, preconditioner
         # a wrapper that counts optimizer steps around its step() (Lightning's LightningOptimizer in manual
         # optimization: trainer.global_step) counts every call, the replays too

@@ -129,6 +129,11 @@ def make_layers(
         ValueError: two modules share a weight but not their bias (P couples a weight with its bias), two
             modules of different kinds share a weight (its gradient would be transformed twice, e.g. a tied
             embedding and output layer), or a kind refuses a module's form (:meth:`LayerKind.refuse`).
+
+    Warns:
+        BNPWarning: a managed layer's trainable weight is also a parameter of a module BNP does not manage (the
+            shared gradient holds that module's contribution; P only sees the managed layer's inputs). A frozen
+            weight (``requires_grad=False``) has no gradient and is not warned about.
     """
     layers: dict[tuple[int, str], ManagedLayer] = {}
     for name, (module, kind) in selected.items():
@@ -169,7 +174,8 @@ def make_layers(
             continue  # a managed layer's kind feeds it in its place (an attention's out_proj)
         for parameter in module._parameters.values():
             owner = managed.get(id(parameter))
-            if owner is not None:
+            # a frozen weight (e.g. GPT-2's tied lm_head / wte under LoRA) has no gradient to share
+            if owner is not None and parameter is not None and parameter.requires_grad:
                 warnings.warn(
                     f"BNP layer {owner!r} shares its weight with {name!r} ({type(module).__name__}), which BNP does "
                     f"not manage: the shared gradient includes {name!r}'s contribution but P is built from "

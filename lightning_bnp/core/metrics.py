@@ -35,6 +35,7 @@ __all__ = [
     "LossOf",
     "NeuronBlock",
     "Spectrum",
+    "common_rank",
     "effective_learning_rate",
     "hessian_extremes",
     "kappa_d",
@@ -115,6 +116,19 @@ class Spectrum:
     rank: int
     nonzero: Tensor
 
+    def counting(self, rank: int) -> Spectrum:
+        """The same spectrum counting only its ``rank`` largest |λ| (κ = max|λ| / the ``rank``-th largest |λ|).
+
+        Two congruent matrices (H and Pᵀ H P, P invertible) have one rank (Sylvester's law of inertia): where
+        their counts differ, the eigenvalue counted in one only sits at the threshold, so both are compared over
+        ``min`` of the two ranks (:func:`common_rank`).
+        """
+        if rank >= self.rank:
+            return self
+        nonzero = self.nonzero[self.nonzero.numel() - rank :]
+        kappa = float(nonzero[-1] / nonzero[0]) if rank > 0 else math.inf
+        return Spectrum(self.lambda_min, self.lambda_max, kappa, rank, nonzero)
+
 
 def spectrum(matrix: Tensor, rtol: float | None = None) -> Spectrum:
     """:class:`Spectrum` of a symmetric matrix, with ``eigvalsh`` in float64.
@@ -132,6 +146,14 @@ def spectrum(matrix: Tensor, rtol: float | None = None) -> Spectrum:
     nonzero = eig.abs()[eig.abs() > tol * scale].sort().values
     kappa = scale / float(nonzero.min()) if scale > 0 else math.inf
     return Spectrum(float(eig[0]), float(eig[-1]), kappa, int(nonzero.numel()), nonzero)
+
+
+def common_rank(a: Spectrum, b: Spectrum) -> tuple[Spectrum, Spectrum]:
+    """``a`` and ``b`` counting the same number of eigenvalues, the smaller of their ranks
+    (:meth:`Spectrum.counting`): the spectra of two congruent matrices, so that κ(a) / κ(b) compares one set of
+    eigenvalues, not a near-null one counted on one side only."""
+    rank = min(a.rank, b.rank)
+    return a.counting(rank), b.counting(rank)
 
 
 def matrix_kappa(weight: Tensor) -> float:

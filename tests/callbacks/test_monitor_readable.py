@@ -99,3 +99,34 @@ def test_heatmap_picture_is_the_figure_or_without_matplotlib_the_plain_image(mon
     monkeypatch.setattr(pictures, "has_matplotlib", lambda: False)
     assert torch.equal(heatmap_picture("weight_kappa", values, ["a", "b"], [0, 1]), heatmap_image(values))
     assert "the exponent on the bar" in legend("weight_kappa", ["a", "b"])
+
+
+def test_the_monitor_compares_both_hessian_blocks_over_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 45 item 9: late in training the block's near-null eigenvalues (samples fitted with p ≈ 1 add
+    curvature p(1 − p) ≈ 1e-15) sit at the threshold n·eps·max|λ|; one counted in Pᵀ∇²L P but not in ∇²L made
+    `make demo`'s gain 0.008–0.1 for single records. Both κ, their gain and the rank count the same eigenvalues."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from lightning_bnp.callbacks import _hessian_block, _probes
+
+    h = torch.diag(torch.tensor([1.0, 1e-3, 5e-16], dtype=torch.float64))
+    p = torch.diag(torch.tensor([1.0, 1.0, 10.0], dtype=torch.float64))  # PᵀHP: 1, 1e-3, 5e-14
+    layer = nn.Linear(2, 4)
+    monkeypatch.setattr(_hessian_block.M, "neuron_hessians", lambda loss, blocks: [h])
+    monkeypatch.setattr(_probes, "neuron_p", lambda pre, layer, index, centred: p)
+    step = SimpleNamespace(
+        pl_module=nn.ModuleDict({"out": layer}),
+        loss=lambda dtype: SimpleNamespace(params=dict(nn.ModuleDict({"out": layer}).named_parameters())),
+        in_dtype=lambda dtype, fn: fn(dtype),
+    )
+    pre = SimpleNamespace(layers={"out": object()})
+    metrics, spectra = _hessian_block.hessian_metrics(
+        step, pre, {"out": layer}, neuron=0, max_size=10, precision="float64", rtol=None,  # type: ignore[arg-type]
+        warn_once=lambda key, message: None,
+    )  # fmt: skip
+    assert metrics["bnp/hessian_kappa/out/original"] == pytest.approx(1e3)
+    assert metrics["bnp/hessian_kappa/out/preconditioned"] == pytest.approx(1e3)  # not 2e13
+    assert metrics["bnp/hessian_kappa_gain/out"] == pytest.approx(1.0) and metrics["bnp/hessian_rank/out"] == 2.0
+    assert spectra["bnp/hessian_spectrum/out/preconditioned"].tolist() == pytest.approx([-3.0, 0.0])

@@ -648,3 +648,19 @@ def test_weight_norm_and_grad_cosine_of_small_vectors() -> None:
     """‖θ‖·‖∇‖ = 0.25 < 1 is still a defined cosine: ⟨(0.3, 0.4), (0.5, 0)⟩ / 0.25 = 0.6."""
     norm_sq, cosine = M.weight_norm_and_grad_cosine(torch.tensor([[0.3, 0.4]]), None, torch.tensor([[0.5, 0.0]]), None)
     assert norm_sq == pytest.approx(0.25) and cosine == pytest.approx(0.6)
+
+
+def test_congruent_spectra_are_compared_over_one_rank() -> None:
+    """Issue 45 item 9: H = diag(1, 1e-3, 5e-16) and PᵀHP with P = diag(1, 1, 10): the third eigenvalue is below
+    the threshold n·eps·max|λ| = 6.7e-16 in H and above it (5e-14) in PᵀHP. Counted on one side only, κ goes from
+    1e3 to 2e13 ("BNP worsens κ 2e10-fold"); over the common rank 2 both are 1e3."""
+    h = torch.diag(torch.tensor([1.0, 1e-3, 5e-16], dtype=torch.float64))
+    p = torch.diag(torch.tensor([1.0, 1.0, 10.0], dtype=torch.float64))
+    original, conditioned = M.spectrum(h), M.spectrum(p.T @ h @ p)
+    assert (original.rank, conditioned.rank) == (2, 3)
+    assert conditioned.kappa == pytest.approx(2e13)  # at the threshold: 1/(n·eps) = 1.5e15 bounds it
+    a, b = M.common_rank(original, conditioned)
+    assert (a.rank, b.rank) == (2, 2) and a.kappa == pytest.approx(1e3) and b.kappa == pytest.approx(1e3)
+    assert a is original and b.nonzero.tolist() == pytest.approx([1e-3, 1.0])
+    assert (b.lambda_min, b.lambda_max) == (conditioned.lambda_min, conditioned.lambda_max)  # signed, of the matrix
+    assert math.isinf(original.counting(0).kappa) and original.counting(0).rank == 0

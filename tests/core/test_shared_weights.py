@@ -163,3 +163,25 @@ def test_a_second_preconditioner_on_a_managed_model_is_refused_with_the_way_out(
         "other one first."
     )
     first.detach()
+
+
+@pytest.mark.parametrize("model", ["autoencoder", "embedding"])
+def test_a_frozen_weight_shared_with_an_unmanaged_module_is_not_warned_about(model: str) -> None:
+    """Issue 45 item 8: GPT-2 under peft LoRA ties a frozen lm_head to a frozen wte; no gradient is shared, so
+    "shares its weight" warned at every construction for nothing. The same tie, trainable, still warns."""
+    for frozen in (True, False):
+        if model == "embedding":  # embeddings=False: the Embedding 'emb' is not managed, the Linear 'out' is
+            net: nn.Module = TiedEmbedding()
+            shared_weight, kwargs, expected = net.emb.weight, {}, "'out' shares its weight with 'emb' (Embedding)"
+        else:
+            net = TiedAutoencoder()
+            shared_weight, kwargs, expected = net.enc.weight, {"exclude": "dec"}, "'enc' shares its weight with 'dec'"
+        shared_weight.requires_grad_(not frozen)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            BNPPreconditioner(net, **kwargs).detach()
+        shared = [str(w.message) for w in caught if "shares its weight" in str(w.message)]
+        if frozen:
+            assert shared == []
+        else:
+            assert len(shared) == 1 and expected in shared[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -18,9 +19,11 @@ def test_quick_demo_writes_table_figure_and_finite_tensorboard_logs(
 ) -> None:
     runs = demo.main(["--quick", "--log-dir", str(tmp_path), "--accelerator", "cpu"])
     run_dir = tmp_path / "demo" / "version_0"
-    table = (run_dir / "summary.md").read_text()
-    assert table.strip() in capsys.readouterr().out
-    assert len(table.strip().splitlines()) == 2 + len(runs) == 8
+    summary = (run_dir / "summary.md").read_text()
+    assert summary.strip() in capsys.readouterr().out
+    table, rule = summary.strip().split("\n\n")
+    assert len(table.splitlines()) == 2 + len(runs) == 8
+    assert "n = 101 parameters" in rule and all(run.hessian_size == 101 for run in runs)  # 1 + 100 hidden units
     assert (run_dir / "comparison.png").stat().st_size > 10_000
     for run in runs:
         assert 0.0 <= run.test_acc <= 1.0
@@ -52,7 +55,26 @@ def test_summary_counts_steps_to_target_and_medians() -> None:
     assert run.steps_to(0.9) == 200 and run.steps_to(0.95) is None
     assert run.median(r"bnp/kappa_D/.*", reduce="max") == 25.0  # max per record: 20, 30
     assert run.median("timing/step_ms") == 2.0
-    assert "| 6 | BNP | 0.5 | 0.900 | 200 | 2.00 |" in demo.summary_table([run])
+    assert "| 6 | BNP | 0.5 | 0.900 | 200 | – |" in demo.summary_table([run])
+
+
+def test_the_table_has_no_time_per_step_and_sets_kappa_only_beside_its_own_preconditioned_block() -> None:
+    """Issue 45 item 9: the table printed each network's κ side by side (BNP's 3.8e11 above vanilla's 8.8e10, two
+    different networks at different losses) and ms/step of runs made one after another under changing load."""
+    kappa = "bnp/hessian_kappa/network.7"
+    bnp = demo.Run(60, "bnp", 1.0, 0.95, {f"{kappa}/original": [(0, 4e11), (20, 3e11), (40, 2e12)],
+                                          f"{kappa}/preconditioned": [(0, 1e11), (20, 1e11), (40, 4e11)],
+                                          "timing/step_ms": [(0, 3.0)]}, hessian_size=101)  # fmt: skip
+    vanilla = demo.Run(60, "vanilla", 0.5, 0.94, {f"{kappa}/original": [(0, 8.8e10)], "timing/step_ms": [(0, 9.0)]})
+    table, rule = demo.summary_table([vanilla, bnp]).split("\n\n")
+    head, _, vanilla_row, bnp_row = table.splitlines()
+    assert "ms" not in head and "3.00" not in table and "9.00" not in table
+    assert "| 60 | vanilla | 0.5 | 0.940 | not reached | – | – | – |" == vanilla_row  # no κ of another network
+    assert "| 4e+11 → 1e+11 | 4× | – |" in bnp_row  # medians of the same block at the same steps; the gains 4, 3, 5
+    # the rule: |λ| ≤ n·eps·max|λ| is zero, so κ ≤ 1/(n·eps) for the 101-parameter block in float64
+    ceiling = 1 / (101 * np.finfo(np.float64).eps)
+    assert demo.kappa_ceiling(bnp) == pytest.approx(ceiling) and f"1/(n·eps) = {ceiling:.1e}" in rule
+    assert "n = 101 parameters" in rule and "n·eps·max|λ| counts as zero" in rule
 
 
 def test_gain_is_the_same_blocks_ratio_at_the_same_step_and_its_smoothing_ignores_one_record() -> None:
