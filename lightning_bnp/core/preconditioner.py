@@ -358,14 +358,20 @@ class BNPPreconditioner(ArgumentsRepr):
         are stored only when ``optimizer.step()`` really runs (from its step post-hook): a step that
         ``torch.amp.GradScaler`` skips for non-finite gradients leaves them untouched, as the
         Lightning callback does. Call it after ``scaler.unscale_(optimizer)``. The optimizer may be wrapped (Lightning's
-        ``self.optimizers()``, Fabric's ``fabric.setup``) and may be a new one at every step. Detached (after
-        :meth:`detach`), it transforms nothing and warns so, once per detach.
+        ``self.optimizers()``, Fabric's ``fabric.setup``) and may be a new one at every step. Called again for the same
+        optimizer before its ``step()``, with no backward since (a ``training_step`` that steps the callback's
+        preconditioner itself, and the callback at ``opt.step()``), it does nothing: one transform per step, whichever
+        call comes first, and the statistics of the first are stored. Detached (after :meth:`detach`), it transforms
+        nothing and warns so, once per detach.
         """
         if not self.attached:  # (before `defer`: a detached preconditioner hooks no optimizer)
             self._warn_detached("step")
             return
         if isinstance(params, Optimizer):  # (its commit follows the wrappers: pending.unwrap_optimizer)
-            self._commits.defer(params, self.precondition(_parameters(params), commit=False))
+            owned = _parameters(params)
+            if self._commits.pending(params) is not None and self._step.repeated(self._layer_list, owned):
+                return  # this step asked for again before `optimizer.step()` (e.g. by the training_step and the callback)
+            self._commits.defer(params, self.precondition(owned, commit=False))
         else:
             self.precondition(params, commit=True)
 

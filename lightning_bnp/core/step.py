@@ -144,6 +144,20 @@ class PreconditionerStep:
             pending.commit()
         return pending
 
+    def repeated(self, layers: list[ManagedLayer], params: Iterable[Tensor]) -> bool:
+        """Whether a step of ``params`` would repeat the latest one: every layer among them with a gradient holds the
+        very gradient tensor that step transformed (in place since or not: a clipping scales it) and has counted no
+        forward since (a backward since would have). Identity and counts only: no tensor value is read."""
+        ids, seen = {id(p) for p in params}, False
+        for layer in layers:
+            if id(layer.weight) not in ids or (grad := weight_grad(layer)) is None:
+                continue
+            done = layer.transformed_grad
+            if layer.moments is not None or done is None or done[0]() is not grad:
+                return False
+            seen = True
+        return seen
+
     def _left_alone(self, layer: ManagedLayer) -> bool:
         """False; names (once) a layer reparametrized since setup in a way BNP cannot follow (README
         'Reparametrized layers'): its weight leaf is then ``NO_LEAF`` and it is skipped like a frozen layer."""
