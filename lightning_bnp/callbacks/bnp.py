@@ -226,9 +226,21 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         self.preconditioner.attach()
         self._attached_this_fit = True
         if self._loaded_state is not None:
-            self.preconditioner.load_state_dict(self._loaded_state)
+            self._load(self._loaded_state)
             self._loaded_state = None
         return self.preconditioner
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint's BNP state into the preconditioner; an error also says how to resume without it."""
+        assert self.preconditioner is not None
+        try:
+            self.preconditioner.load_state_dict(state)
+        except ValueError as err:
+            raise ValueError(
+                f"{err} Under the Trainer, the BNP state is the checkpoint's `['callbacks'][{self.state_key!r}]`: "
+                "delete that entry (torch.load, del, torch.save) to resume without it; the statistics then start "
+                "fresh (μ = 0, σ² = 1, step 0), with a warning."
+            ) from None
 
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
@@ -344,7 +356,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         # Lightning restores callbacks after `setup` (and after `on_fit_start` under ModelParallelStrategy); kept
         # for `_attach` when the layers may not exist yet (built in `configure_model`, or a new model)
         if self.preconditioner is not None and self._attached_this_fit:
-            self.preconditioner.load_state_dict(state_dict)
+            self._load(state_dict)
         else:
             self._loaded_state = state_dict
         self._state_restored = True

@@ -429,15 +429,22 @@ class BNPPreconditioner(ArgumentsRepr):
         """Running statistics per layer name (CPU tensors) and the :meth:`hyperparameters` they were made with."""
         return checkpoint.state_dict(self.layers, self._settings())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore :meth:`state_dict` output: all of it, or nothing on an error. A state saved under another ρ keeps
+        the ρ's it applied: μ, σ² of ``running`` and κ(D) stay those P uses.
+
+        Args:
+            state: :meth:`state_dict` output.
+            strict: the saved layer names must be the managed ones; ``False`` loads the layers both have (the others
+                keep their statistics) and names the rest in a ``BNPWarning``.
 
         Raises:
-            ValueError: the saved layer names differ from the managed ones, or a layer's saved statistics
-                have another length (e.g. per-channel ones saved under ``conv_statistics="channel"`` loaded
-                into ``"column"``: they cannot be converted); nothing is loaded then.
+            ValueError: the saved layer names differ from the managed ones (``strict``), a saved layer was another
+                kind (a Conv1d's statistics for a Conv2d), a layer's saved statistics have another length (e.g.
+                per-channel ones saved under ``conv_statistics="channel"`` loaded into ``"column"``: they cannot be
+                converted), or are not finite; the error names the layer, and nothing is loaded then.
         """
-        checkpoint.load_state_dict(self.layers, state, self._settings())
+        checkpoint.load_state_dict(self.layers, state, self._settings(), strict=check_bool("strict", strict))
 
     def _settings(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _SAVED_SETTINGS}
