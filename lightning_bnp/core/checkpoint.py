@@ -30,7 +30,9 @@ def state_dict(layers: dict[str, ManagedLayer], settings: dict[str, Any]) -> dic
     :func:`hyperparameters` they were made with."""
     return {
         "layers": {name: layer.running.state_dict() for name, layer in layers.items()},
-        "kinds": {name: {"kind": layer.kind.name, "shape": tuple(layer.weight.shape)} for name, layer in layers.items()},
+        "kinds": {
+            name: {"kind": layer.kind.name, "shape": tuple(layer.weight.shape)} for name, layer in layers.items()
+        },
         "hyperparameters": hyperparameters(layers, settings),
     }
 

@@ -52,7 +52,9 @@ def test_a_conv1d_state_into_a_conv2d_of_the_same_name_is_refused_naming_both() 
     """Both have 2 input channels: the statistics loaded silently."""
     state = _trained(nn.Sequential(nn.Conv1d(2, 4, 3))).state_dict()
     target = BNPPreconditioner(nn.Sequential(nn.Conv2d(2, 4, 3)))
-    match = r"layer '0' were saved from a Conv1d layer \(weight shape \(4, 2, 3\)\).*Conv2d layer \(weight shape \(4, 2, 3, 3\)\)"
+    match = (
+        r"'0' were saved from a Conv1d layer \(weight shape \(4, 2, 3\)\).*Conv2d layer \(weight shape \(4, 2, 3, 3\)\)"
+    )
     with pytest.raises(ValueError, match=match):
         target.load_state_dict(state)
     _fresh(target)
