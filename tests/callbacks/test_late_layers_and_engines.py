@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy, SingleDeviceStrategy
 from torch import nn
 from typing_extensions import override
@@ -208,3 +208,21 @@ def test_a_checkpoint_of_other_layers_says_how_to_resume_without_its_bnp_state(t
     torch.save(checkpoint, path)
     with pytest.warns(BNPWarning, match="holds no BNP state"):
         _fit(tmp_path, BoringClassifier(make_mlp()), DATA, batch_size=8, callbacks=[bnp], max_steps=4, ckpt_path=path)
+
+
+def test_the_tuner_callbacks_which_run_before_bnps_fit_start_leave_the_run_as_without_them(tmp_path: Path) -> None:
+    """Lightning runs the learning-rate and batch-size finders first, at their `on_fit_start`, with every other
+    callback removed: BNP, set up at its own `on_fit_start` now, sees nothing of their trial steps."""
+
+    def run(tuner: list[Any]) -> tuple[BoringClassifier, BNPPreconditioner]:
+        model, bnp = BoringClassifier(make_mlp()), BatchNormPreconditioning(verbose=False)
+        _fit(tmp_path, model, DATA, batch_size=8, callbacks=[bnp, *tuner], max_steps=3)
+        assert bnp.preconditioner is not None
+        return model, bnp.preconditioner
+
+    (ref, ref_pre), (model, pre) = run([]), run([LearningRateFinder(num_training_steps=4, update_attr=False)])
+    for name, layer in ref_pre.layers.items():
+        assert pre.layers[name].running.steps == layer.running.steps == 3
+        torch.testing.assert_close(pre.layers[name].running.var, layer.running.var, **EXACT)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **EXACT)
