@@ -30,8 +30,17 @@ def check_strategy(strategy: Strategy) -> None:
     a launcher that spawns workers its state stays in them.
 
     Raises:
-        RuntimeError: the strategy is neither a full replica per rank nor FSDP2 without tensor parallelism.
+        RuntimeError: DeepSpeed (named: its gradients are not in ``param.grad``), or a strategy that is neither a full
+            replica per rank nor FSDP2 without tensor parallelism.
     """
+    if is_deepspeed(strategy):
+        raise RuntimeError(
+            f"BatchNormPreconditioning does not support DeepSpeed ({type(strategy).__name__}): its engine reduces "
+            "the gradients into buffers it owns (ZeRO stages 1-3: `param.grad` is None after its backward) and "
+            "flattens or partitions the layers' parameters, so BNP would transform nothing. Supported: a single "
+            "device, DDP ('ddp', 'ddp_spawn', 'ddp_find_unused_parameters_true'), and FSDP2: "
+            "ModelParallelStrategy(tensor_parallel_size=1) with `fully_shard` applied in `configure_model`."
+        )
     if not holds_full_replica(strategy) and not shards_rows(strategy):
         tp = tensor_parallel_size(strategy)
         cause = (
@@ -52,6 +61,14 @@ def check_strategy(strategy: Strategy) -> None:
             "during fit (ModelCheckpoint) hold the BNP state; `trainer.save_checkpoint` called in the main "
             "process after fit does not. Use strategy='ddp' to keep it in the main process."
         )
+
+
+def is_deepspeed(strategy: Strategy) -> bool:
+    """Lightning's ``DeepSpeedStrategy``, or any strategy class of that name or from a ``deepspeed`` module (a
+    subclass of the DDP or single-device strategies would otherwise pass for a full replica)."""
+    return isinstance(strategy, DeepSpeedStrategy) or any(
+        "deepspeed" in f"{cls.__module__}.{cls.__name__}".lower() for cls in type(strategy).__mro__
+    )
 
 
 def holds_full_replica(strategy: Strategy) -> bool:

@@ -12,9 +12,11 @@ preconditioned gradient, which is the one the optimizer uses; in manual optimiza
 ``training_step`` clips before ``opt.step()``, ``self.clip_gradients(opt, …)`` runs BNP's step for
 ``opt`` first (``callbacks/_manual.py``). A fit that raises detaches BNP (``on_exception``).
 
-Where. The callback builds the preconditioner at ``setup``, or, when the LightningModule overrides
-``configure_model`` (which Lightning calls after every callback's ``setup``), at ``on_fit_start``: after
-``configure_model`` and the strategy's setup, before the first forward.
+Where. The callback builds the preconditioner at ``on_fit_start``: Lightning calls every callback's ``setup``
+before the LightningModule's own ``setup`` (where adapters such as LoRA may be injected) and ``configure_model``,
+then the strategy's setup (which builds the optimizers); at ``on_fit_start`` every layer the user builds exists,
+and no forward has run. A layer made later (given to an optimizer with ``add_param_group``) is named in a warning
+at the first step of that optimizer (``core/late_layers.py``).
 
 Skipped steps. The running statistics computed in a step are committed from the optimizer's
 step post-hook (``BNPPreconditioner.step(optimizer)``), which PyTorch runs only when
@@ -91,7 +93,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         exclude: glob patterns of module names to leave alone (a bare string is one pattern).
         sync_statistics: under DDP, pool each step's statistics over all ranks (one collective)
             so that every rank applies the same preconditioner to the all-reduced gradient.
-        verbose: at setup, say on rank zero which layers BNP manages (one line), and, when it leaves some of
+        verbose: at fit start, say on rank zero which layers BNP manages (one line), and, when it leaves some of
             the model's weight matrices alone, how many it transforms and which it does not, with the reason
             (``BNPPreconditioner.report()``, ``.skipped``).
         conv_statistics: a convolution's μ, σ² per input channel (``"channel"``, the default: eqs. 21–22,
@@ -116,7 +118,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
-        ValueError: an argument is out of range or not finite, or (at setup) a pattern matches no layer, or
+        ValueError: an argument is out of range or not finite, or (at fit start) a pattern matches no layer, or
             the model has uninitialised lazy layers and no ``example_input_array`` to materialize them.
         RuntimeError: (at setup) an unsupported strategy; (at fit start) LBFGS, or a layer whose weight
             and bias are in different optimizers. Lightning itself refuses a second instance on one
@@ -193,9 +195,10 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         self._state_restored = False
         self._attached_this_fit = False
         if not is_overridden("configure_model", pl_module):
-            self._attach(pl_module)
-        # else the layers may not exist yet: Lightning calls `configure_model` after every callback's `setup`
-        # (Trainer._run), so BNP attaches at `on_fit_start`, after it and before the first forward
+            materialize_lazy_layers(pl_module)  # before the strategy wraps the model (DDP refuses lazy parameters)
+        # BNP attaches at `on_fit_start`: Lightning calls the LightningModule's own `setup` (adapters injected
+        # there) and `configure_model` after every callback's `setup` (Trainer._run), then the strategy's setup,
+        # which builds the optimizers; every layer the user builds exists then, before the first forward
 
     def _attach(self, pl_module: pl.LightningModule) -> BNPPreconditioner:
         """Build the preconditioner on the model's layers (once per model) and attach it, once per fit; the
@@ -226,9 +229,21 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         self.preconditioner.attach()
         self._attached_this_fit = True
         if self._loaded_state is not None:
-            self.preconditioner.load_state_dict(self._loaded_state)
-            self._loaded_state = None
+            state, self._loaded_state = self._loaded_state, None  # (a state refused once is not tried again)
+            self._load(state)
         return self.preconditioner
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint's BNP state into the preconditioner; an error also says how to resume without it."""
+        assert self.preconditioner is not None
+        try:
+            self.preconditioner.load_state_dict(state)
+        except ValueError as err:
+            raise ValueError(
+                f"{err} Under the Trainer, the BNP state is the checkpoint's `['callbacks'][{self.state_key!r}]`: "
+                "delete that entry (torch.load, del, torch.save) to resume without it; the statistics then start "
+                "fresh (μ = 0, σ² = 1, step 0), with a warning."
+            ) from None
 
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
@@ -344,7 +359,7 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
         # Lightning restores callbacks after `setup` (and after `on_fit_start` under ModelParallelStrategy); kept
         # for `_attach` when the layers may not exist yet (built in `configure_model`, or a new model)
         if self.preconditioner is not None and self._attached_this_fit:
-            self.preconditioner.load_state_dict(state_dict)
+            self._load(state_dict)
         else:
             self._loaded_state = state_dict
         self._state_restored = True

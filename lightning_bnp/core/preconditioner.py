@@ -60,6 +60,7 @@ from lightning_bnp.core import checkpoint
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.collection import StatisticsCollection
 from lightning_bnp.core.kinds import layer_kinds
+from lightning_bnp.core.late_layers import LateLayers
 from lightning_bnp.core.layer_setup import manage_layers
 from lightning_bnp.core.layers import BNPWarning, ManagedLayer, StepTransform
 from lightning_bnp.core.pending import OptimizerCommits, PendingUpdate
@@ -207,6 +208,7 @@ class BNPPreconditioner(ArgumentsRepr):
         )  # fmt: skip
         self._layer_list = list(self.layers.values())
         self._build_parts()
+        self._late = LateLayers(model, *checked, self._warnings, embeddings=embeddings)
         self.attach()
 
     def _build_parts(self) -> None:
@@ -226,6 +228,7 @@ class BNPPreconditioner(ArgumentsRepr):
     # class defaults for an object pickled before these existed (its running ρ^t has no offset)
     embeddings = False
     _decay_offset = 0.0
+    _late: LateLayers | None = None  # (pickled before late layers were looked for: not looked for)
 
     def _repr_extra(self) -> list[str]:
         return [f"layers={list(self.layers)!r}", f"attached={self.attached}"]
@@ -358,16 +361,29 @@ class BNPPreconditioner(ArgumentsRepr):
         are stored only when ``optimizer.step()`` really runs (from its step post-hook): a step that
         ``torch.amp.GradScaler`` skips for non-finite gradients leaves them untouched, as the
         Lightning callback does. Call it after ``scaler.unscale_(optimizer)``. The optimizer may be wrapped (Lightning's
-        ``self.optimizers()``, Fabric's ``fabric.setup``) and may be a new one at every step. Detached (after
-        :meth:`detach`), it transforms nothing and warns so, once per detach.
+        ``self.optimizers()``, Fabric's ``fabric.setup``) and may be a new one at every step. Called again for the same
+        optimizer before its ``step()``, with no backward since (a ``training_step`` that steps the callback's
+        preconditioner itself, and the callback at ``opt.step()``), it does nothing: one transform per step, whichever
+        call comes first, and the statistics of the first are stored. Detached (after :meth:`detach`), it transforms
+        nothing and warns so, once per detach. A step that finds forwards counted but no gradient in any stepped
+        layer's ``.grad`` (``zero_grad()`` before it) transforms nothing and says so.
+
+        Raises:
+            TypeError: ``params`` is neither an optimizer, an iterable of parameters nor ``None`` (e.g. DeepSpeed's
+                optimizer: DeepSpeed keeps the gradients elsewhere than ``param.grad`` and is not supported).
         """
         if not self.attached:  # (before `defer`: a detached preconditioner hooks no optimizer)
             self._warn_detached("step")
             return
         if isinstance(params, Optimizer):  # (its commit follows the wrappers: pending.unwrap_optimizer)
-            self._commits.defer(params, self.precondition(_parameters(params), commit=False))
+            owned = _parameters(params)
+            if self._late is not None:
+                self._late.check(params, owned)  # layers made after set-up whose parameters it holds are named
+            if self._commits.pending(params) is not None and self._step.repeated(self._layer_list, owned):
+                return  # asked for again before `optimizer.step()` (e.g. by the training_step and by the callback)
+            self._commits.defer(params, self.precondition(owned, commit=False))
         else:
-            self.precondition(params, commit=True)
+            self.precondition(_checked_params(params), commit=True)
 
     def compile_step(self, **options: Any) -> BNPPreconditioner:
         """Run the tensor work of every later step — the statistics update (Alg. 2/3 steps 1–3) and the
@@ -390,7 +406,7 @@ class BNPPreconditioner(ArgumentsRepr):
         if not self.attached:
             self._warn_detached("precondition")
             return PendingUpdate()
-        return self._step.precondition(self._layer_list, params, commit=commit)
+        return self._step.precondition(self._layer_list, _checked_params(params), commit=commit)
 
     def _warn_detached(self, method: str) -> None:
         # once per detach (its generation): a loop that keeps stepping hears it once
@@ -423,15 +439,22 @@ class BNPPreconditioner(ArgumentsRepr):
         """Running statistics per layer name (CPU tensors) and the :meth:`hyperparameters` they were made with."""
         return checkpoint.state_dict(self.layers, self._settings())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore :meth:`state_dict` output: all of it, or nothing on an error. A state saved under another ρ keeps
+        the ρ's it applied: μ, σ² of ``running`` and κ(D) stay those P uses.
+
+        Args:
+            state: :meth:`state_dict` output.
+            strict: the saved layer names must be the managed ones; ``False`` loads the layers both have (the others
+                keep their statistics) and names the rest in a ``BNPWarning``.
 
         Raises:
-            ValueError: the saved layer names differ from the managed ones, or a layer's saved statistics
-                have another length (e.g. per-channel ones saved under ``conv_statistics="channel"`` loaded
-                into ``"column"``: they cannot be converted); nothing is loaded then.
+            ValueError: the saved layer names differ from the managed ones (``strict``), a saved layer was another
+                kind (a Conv1d's statistics for a Conv2d), a layer's saved statistics have another length (e.g.
+                per-channel ones saved under ``conv_statistics="channel"`` loaded into ``"column"``: they cannot be
+                converted), or are not finite; the error names the layer, and nothing is loaded then.
         """
-        checkpoint.load_state_dict(self.layers, state, self._settings())
+        checkpoint.load_state_dict(self.layers, state, self._settings(), strict=check_bool("strict", strict))
 
     def _settings(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _SAVED_SETTINGS}
@@ -439,3 +462,28 @@ class BNPPreconditioner(ArgumentsRepr):
 
 def _parameters(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _checked_params(params: Any) -> Iterable[Tensor] | None:
+    """``params`` of :meth:`BNPPreconditioner.step`/``precondition`` when it is not a ``torch.optim.Optimizer``.
+
+    Raises:
+        TypeError: an optimizer of another framework (DeepSpeed's, which keeps the gradients in buffers of its own:
+            ``param.grad`` is None after ``engine.backward``) or anything else that is not an iterable of tensors.
+    """
+    if params is None or isinstance(params, (list, tuple)):
+        return params
+    kind = type(params)
+    if any("deepspeed" in f"{c.__module__}.{c.__name__}".lower() for c in kind.__mro__):
+        raise TypeError(
+            f"BNPPreconditioner.step() got a {kind.__name__} ({kind.__module__}): DeepSpeed is not supported. Its "
+            "engine reduces the gradients into buffers it owns (ZeRO stages 1-3; `param.grad` is None after "
+            "`engine.backward`), so BNP would transform nothing. Use DDP or FSDP2 (`fully_shard`) instead."
+        )
+    if hasattr(params, "param_groups") or not hasattr(params, "__iter__"):
+        raise TypeError(
+            f"`params` must be a torch.optim.Optimizer (or a wrapper of one: Lightning's, Fabric's, Accelerate's), an "
+            f"iterable of parameters, or None; got a {kind.__name__} ({kind.__module__}), which "
+            + ("is not a torch.optim.Optimizer." if hasattr(params, "param_groups") else "is not iterable.")
+        )
+    return params

@@ -161,6 +161,10 @@ class RunningStatistics:
     """
 
     decay_offset: float = 0.0  # (class default: an object pickled before κ existed holds plain ρ^t)
+    # ρ^t of the host views is decay_base·ρ^(t − base_steps): the ρ's applied before a resume under another ρ, folded
+    # into decay_base at step base_steps (class defaults: an object pickled before they existed has ρ^t)
+    decay_base: float = 1.0
+    base_steps: int = 0
 
     def __init__(
         self,
@@ -191,12 +195,20 @@ class RunningStatistics:
     @steps.setter
     def steps(self, steps: int) -> None:
         self._steps = steps
-        decay = self.rho**steps + self.decay_offset
+        decay = self.rho_power(steps) + self.decay_offset
         self.decay = torch.full((1,), decay, dtype=self.mean_acc.dtype, device=self.mean_acc.device)
+
+    def rho_power(self, steps: int) -> float:
+        """The product of the ρ's applied by the first ``steps`` updates: ρ^t, or, after a resume under another ρ
+        (:meth:`load_state_dict`), the saved ρ's product times ρ^(t − t_resume). Float64 on the host: exact enough
+        for any t."""
+        if steps < self.base_steps:  # (steps set back by hand below the resume: the ρ's before it are unknown)
+            return float(self.rho**steps)
+        return self.decay_base * self.rho ** (steps - self.base_steps)
 
     def view_coefficients(self, steps: int) -> tuple[float, float]:
         """(scale, shift) with μ = scale·m_t and σ² = scale·v_t + shift, for t ≥ 1."""
-        decay = self.rho**steps  # float64 on the host: exact enough for any t
+        decay = self.rho_power(steps)
         return (1.0 / (1.0 - decay), 0.0) if self.bias_correction else (1.0, decay)
 
     def view(self, mean_acc: Tensor, var_acc: Tensor, steps: int) -> tuple[Tensor, Tensor]:
@@ -212,7 +224,7 @@ class RunningStatistics:
         σ² = 1 (the activations' statistics that the paper's κ(D) describes). (0, 1) before any update."""
         if self.steps == 0:
             return torch.zeros_like(self.mean_acc), torch.ones_like(self.var_acc)
-        scale = 1.0 / (1.0 - self.rho**self.steps)
+        scale = 1.0 / (1.0 - self.rho_power(self.steps))
         return self.mean_acc * scale, self.var_acc * scale
 
     def device_mu(self) -> Tensor:
@@ -251,9 +263,13 @@ class RunningStatistics:
             "steps": self.steps,
             "decay": self.decay.cpu().clone(),
             "decay_offset": self.decay_offset,
+            "decay_base": self.decay_base,
+            "base_steps": self.base_steps,
         }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, object], *, saved_rho: float | None = None) -> None:
+        """Restore :meth:`state_dict` output. ``saved_rho``: the ρ it was made with (default: this ρ); under another
+        ρ the saved ρ's product is kept (:meth:`rho_power`), so that μ, σ² of the views are those P uses."""
         mean_acc, var_acc = state["mean_acc"], state["var_acc"]
         assert isinstance(mean_acc, Tensor) and isinstance(var_acc, Tensor)
         if mean_acc.shape != self.mean_acc.shape:
@@ -264,7 +280,12 @@ class RunningStatistics:
         device, dtype = self.mean_acc.device, self.mean_acc.dtype
         self.mean_acc = mean_acc.to(device=device, dtype=dtype).clone()
         self.var_acc = var_acc.to(device=device, dtype=dtype).clone()
-        self.steps = int(state["steps"])  # type: ignore[call-overload]  # sets ρ^t too
+        steps = int(state["steps"])  # type: ignore[call-overload]
+        base, base_steps = float(state.get("decay_base", 1.0)), int(state.get("base_steps", 0))  # type: ignore[arg-type, call-overload]
+        if saved_rho is not None and saved_rho != self.rho and steps >= base_steps:  # its ρ's up to now, as applied
+            base, base_steps = base * saved_rho ** (steps - base_steps), steps
+        self.decay_base, self.base_steps = base, base_steps
+        self.steps = steps  # sets ρ^t too
         decay = state.get("decay")  # absent from states saved before issue 28: ρ^t from t
         if isinstance(decay, Tensor):
             offset = float(state.get("decay_offset", 0.0))  # type: ignore[arg-type]  # 0: saved before it existed

@@ -24,7 +24,14 @@ from lightning_bnp.core.pending import PendingUpdate
 from lightning_bnp.core.pooling import local_moments, pool_over_ranks, pools_over_ranks
 from lightning_bnp.core.step_math import step_math
 from lightning_bnp.core.step_plan import Ready, StepPlan, row_block_spans
-from lightning_bnp.core.step_warnings import FOREIGN_WEIGHT, NEVER_RAN, REPARAMETRIZED, TWICE, StepWarnings
+from lightning_bnp.core.step_warnings import (
+    FOREIGN_WEIGHT,
+    NEVER_RAN,
+    NO_GRADIENTS,
+    REPARAMETRIZED,
+    TWICE,
+    StepWarnings,
+)
 from lightning_bnp.core.transform import q_squared
 
 __all__ = ["PreconditionerStep"]
@@ -112,13 +119,22 @@ class PreconditionerStep:
         # a layer with no gradient this step did not contribute to it: its statistics are dropped
         active: list[ManagedLayer] = []
         grads: list[Tensor] = []
+        gradless: list[str] = []  # counted forwards, no gradient (a foreign weight has had its own warning)
+        with_grad = False
         for layer in layers:
             grad = weight_grad(layer)
             if grad is None:
                 self._left_alone(layer)
-            elif not self._transformed_already(layer, grad):
+                if layer.moments is not None and not layer.foreign_weight:
+                    gradless.append(layer.name)
+                continue
+            with_grad = True
+            if not self._transformed_already(layer, grad):
                 active.append(layer)
                 grads.append(grad)
+        if gradless and not with_grad:  # (host facts only: which `.grad` is None)
+            shown = gradless if len(gradless) <= 4 else [*gradless[:4], f"… ({len(gradless)} layers)"]
+            self.warnings.warn_once("no gradients", NO_GRADIENTS.format(layers=shown))
         local = local_moments(active)
         not_run_here = {layer.name for layer, m in zip(active, local) if m.is_empty()}
         # a forward on 0 rows (an empty batch, an expert no token was routed to) ran and was reached: its gradient
@@ -143,6 +159,20 @@ class PreconditionerStep:
         if commit:
             pending.commit()
         return pending
+
+    def repeated(self, layers: list[ManagedLayer], params: Iterable[Tensor]) -> bool:
+        """Whether a step of ``params`` would repeat the latest one: every layer among them with a gradient holds the
+        very gradient tensor that step transformed (in place since or not: a clipping scales it) and has counted no
+        forward since (a backward since would have). Identity and counts only: no tensor value is read."""
+        ids, seen = {id(p) for p in params}, False
+        for layer in layers:
+            if id(layer.weight) not in ids or (grad := weight_grad(layer)) is None:
+                continue
+            done = layer.transformed_grad
+            if layer.moments is not None or done is None or done[0]() is not grad:
+                return False
+            seen = True
+        return seen
 
     def _left_alone(self, layer: ManagedLayer) -> bool:
         """False; names (once) a layer reparametrized since setup in a way BNP cannot follow (README

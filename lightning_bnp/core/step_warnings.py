@@ -49,6 +49,14 @@ FOREIGN_WEIGHT = (
     "itself (model(x)) so that its own weight gets the gradient, or precondition the gradients of the tensors the "
     "forward used: copy them to the module's parameters' `.grad` before step()."
 )
+NO_GRADIENTS = (
+    "BNP: the forwards of {layers} were counted since the last step, but none of the layers stepped has a gradient "
+    "in `.grad`, so this step transformed nothing (the optimizer's step is a plain one) and their statistics are "
+    "dropped. Likely causes: `zero_grad()` ran between the backward and `step()` (call step() after the backward "
+    "and before zero_grad), the gradients were taken with torch.autograd.grad (which does not fill `.grad`), or an "
+    "engine keeps them elsewhere than `param.grad` (DeepSpeed ZeRO, which BNP does not support: use DDP or FSDP2's "
+    "fully_shard)."
+)
 TWICE = (
     "its gradient was already preconditioned by the previous step() and no backward has changed it "
     "since; it is left as it is (one transform per gradient). Call step() once per backward."

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_bnp import BatchNormPreconditioning, BNPPreconditioner
+from lightning_bnp.core.preconditioner import BNPWarning
 from tests.helpers import EXACT, _fit, make_data, make_mlp
 
 BATCH, STEPS, LR = 8, 4, 0.1
@@ -205,3 +207,63 @@ def test_a_copy_of_the_callback_during_fit_installs_nothing(tmp_path: Path) -> N
     _fit_manual(tmp_path, CopiesTheCallbackAfterClipping(), steps=1)
     copies = CopiesTheCallbackAfterClipping.copies
     assert copies and all(c._clipping.module is None and c._clipping.early is None for c in copies)
+
+
+# --------------------------------------- the callback's preconditioner stepped by the training_step itself
+class StepsTheCallbacksPreconditioner(Manual):
+    """``bnp.preconditioner.step(opt)`` in ``training_step`` before ``opt.step()`` (whose ``on_before_optimizer_step``
+    runs the callback's step too): before the clipping, or after it (the clipping runs the callback's step first)."""
+
+    def __init__(self, clip: float | None = None, user_first: bool = True) -> None:
+        super().__init__(clip=clip)
+        self.user_first = user_first
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.cross_entropy(self.network(x), y))
+        bnp = next(c for c in self.trainer.callbacks if isinstance(c, BatchNormPreconditioning))  # type: ignore[attr-defined]
+        assert bnp.preconditioner is not None
+        if self.user_first:
+            bnp.preconditioner.step(opt)
+        if self.clip is not None:
+            self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        if not self.user_first:
+            bnp.preconditioner.step(opt)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize(("clip", "user_first"), [(None, True), (0.05, True), (0.05, False)])
+def test_the_callbacks_preconditioner_stepped_in_training_step_transforms_once(
+    tmp_path: Path, clip: float | None, user_first: bool
+) -> None:
+    """It warned "already preconditioned", stored no statistic (steps stayed 0), and the parameters drifted from one
+    transform per step; now either call may come first, silently, and the run equals the plain loop."""
+    model = StepsTheCallbacksPreconditioner(clip=clip, user_first=user_first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)
+        pre = _fit_manual(tmp_path, model)
+    ref, ref_pre = reference(clip_norm=clip)
+    tol = EXACT if clip is None else {"rtol": 1e-6, "atol": 1e-7}
+    assert pre.layers["network.0"].running.steps == STEPS
+    assert_same(model.network, pre, ref, ref_pre, "network.", **tol)
+
+
+def test_a_plain_loop_may_step_one_optimizer_twice_before_its_step() -> None:
+    """``pre.step(opt)`` twice before ``opt.step()``: the second finds the gradients transformed and used to replace
+    the first's pending statistics by nothing."""
+    network = make_mlp()
+    pre = BNPPreconditioner(network)
+    opt = torch.optim.SGD(network.parameters(), lr=LR)
+    for x, y in list(_loader())[:STEPS]:
+        opt.zero_grad()
+        nn.functional.cross_entropy(network(x), y).backward()
+        pre.step(opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", BNPWarning)
+            pre.step(opt)
+        opt.step()
+    ref, ref_pre = reference()
+    assert_same(network, pre, ref, ref_pre, **EXACT)
