@@ -453,3 +453,55 @@ def test_a_resumed_state_continues_the_same_steps() -> None:
     resumed.step()
     for (name, p), q in zip(first.named_parameters(), second.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+# ------------------------------------------------------------------ cost, side by side
+class _LSTMTagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(6, 8, batch_first=True), nn.Linear(8, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+class _TwoLinears(nn.Module):
+    """The LSTM layer's two weight blocks as two Linears of the same sizes, on (B, T, ·) inputs of the same rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ih, self.hh, self.head = nn.Linear(6, 32), nn.Linear(8, 32), nn.Linear(8, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(x[..., :1]).expand(*x.shape[:-1], 8)
+        return self.head((self.ih(x) + self.hh(h))[..., :8])
+
+
+def test_an_lstm_layer_costs_two_linears_plus_the_shift_of_its_outputs_and_one_call_for_the_joint_floor() -> None:
+    """Counted as a GPU's host pays them (``benchmarks.op_count``): what BNP adds to a step of an LSTM tagger is what
+    it adds with the LSTM's W_ih and W_hh as two Linears of the same sizes, plus one call per direction (h_{t−1} is
+    the output shifted by one step: one ``pad``, or one ``cat`` with a given h_0) and one per step for all recurrent
+    layers (the ε1 floor over each layer's two blocks: one ``index_select``); no host read."""
+    from benchmarks.op_count import added_cost
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 7, 6, generator=g), torch.randint(5, (4, 7), generator=g)
+    lstm, _ = added_cost(_LSTMTagger, x, y)
+    linears, _ = added_cost(_TwoLinears, x, y)
+    assert lstm.host_reads == linears.host_reads == 0
+    extra = dict(lstm.by_name)
+    for name, count in linears.by_name.items():
+        extra[name] = extra.get(name, 0) - count
+    assert {name: n for name, n in extra.items() if n} == {"aten::pad": 1, "aten::index_select": 1}
+    assert lstm.calls == linears.calls + 2
+
+
+def test_the_floor_of_a_run_of_column_blocks_is_the_max_over_the_run() -> None:
+    """``FeatureLayout(floor_runs=…)``: layers 1 and 2 are the blocks of one layer; layers 0 and 3 stand alone."""
+    from lightning_bnp.core.layout import FeatureLayout
+
+    layout = FeatureLayout([2, 1, 2, 1], [True] * 4, torch.device("cpu"), torch.float64, floor_runs=[(1, 2)])
+    flat = torch.tensor([1.0, 5.0, 2.0, 0.5, 3.0, -7.0], dtype=torch.float64)
+    assert layout.layer_max(flat).tolist() == [5.0, 5.0, 3.0, 3.0, 3.0, -7.0]
+    assert layout.floor_max(flat).tolist() == [5.0, 3.0, 3.0, -7.0]
+    assert layout.segment_max(flat).tolist() == [5.0, 2.0, 3.0, -7.0]  # each layer's own (the warnings' peak)
