@@ -32,7 +32,8 @@ each call is one row per sample, pooled over the calls of the step like any laye
 
 Left alone, and named in the coverage report: a module with ``num_layers > 1`` (the inputs of its layers ≥ 1 and
 every layer's h_{t−1} stay inside the fused kernel, where no hook sees them: write it as one-layer modules, one
-after another) and an LSTM's ``weight_hr`` (``proj_size``: it multiplies o_t ⊙ tanh(c_t), which is not exposed;
+after another: :func:`~lightning_bnp.core.stacked_recurrent.split_recurrent` does it, the parameters and state
+dict keys unchanged) and an LSTM's ``weight_hr`` (``proj_size``: it multiplies o_t ⊙ tanh(c_t), which is not exposed;
 W_ih and W_hh are transformed, h_t being the projection's output).
 """
 
@@ -87,8 +88,9 @@ class RecurrentKind(LayerKind):
         if int(module.num_layers) > 1 and attribute.startswith("weight_"):  # type: ignore[arg-type]
             return (
                 f"a {type(module).__name__} with num_layers={module.num_layers}: the inputs of its layers ≥ 1 and "
-                "every layer's h_(t−1) stay inside the fused kernel, where no hook sees them; write it as one-layer "
-                "modules one after another to have BNP precondition it"
+                "every layer's h_(t−1) stay inside the fused kernel, where no hook sees them; split it into one-layer "
+                "modules sharing its parameters and state dict keys (lightning_bnp.core.stacked_recurrent."
+                "split_recurrent) to have BNP precondition it"
             )
         return None
 

@@ -383,7 +383,7 @@ def test_a_multi_layer_module_is_left_alone_whole_and_named_with_its_reason() ->
     assert list(pre.layers) == ["head"]
     names = ["weight_ih_l0", "weight_hh_l0", "weight_ih_l1", "weight_hh_l1"]
     assert sorted(pre.skipped) == sorted(f"rnn.{n}" for n in names)
-    assert all("num_layers=2" in reason and "one-layer modules" in reason for reason in pre.skipped.values())
+    assert all("num_layers=2" in reason and "split_recurrent" in reason for reason in pre.skipped.values())
     x = torch.randn(3, 2, 3, dtype=torch.float64)
     model["head"](model["rnn"](x)[0]).sum().backward()
     raw = {n: p.grad.clone() for n, p in model["rnn"].named_parameters()}
