@@ -87,7 +87,7 @@ class RecurrentKind(LayerKind):
             )
         if int(module.num_layers) > 1 and attribute.startswith("weight_"):  # type: ignore[arg-type]
             return (
-                f"a {type(module).__name__} with num_layers={module.num_layers}: the inputs of its layers ≥ 1 and "
+                f"{type(module).__name__} with num_layers={module.num_layers}: the inputs of its layers ≥ 1 and "
                 "every layer's h_(t−1) stay inside the fused kernel, where no hook sees them; split it into one-layer "
                 "modules sharing its parameters and state dict keys (lightning_bnp.core.stacked_recurrent."
                 "split_recurrent) to have BNP precondition it"
@@ -131,13 +131,13 @@ class RecurrentKind(LayerKind):
         x = args[0] if args else kwargs.get("input")
         if isinstance(x, PackedSequence):
             raise ValueError(
-                f"a {type(module).__name__} got a PackedSequence while a token mask is set: a packed batch holds no "
-                "padding; leave this layer out of the mask with `token_mask(mask, layers=...)`"
+                f"{self.name}: the {type(module).__name__} got a PackedSequence while a token mask is set: a packed "
+                "batch holds no padding; leave this layer out of the mask with `token_mask(mask, layers=...)`"
             )
         if self.reverse:
             raise ValueError(
-                f"the reverse direction of a bidirectional {type(module).__name__} reads a padded batch's padding "
-                "before its real steps, so no mask makes it the padding-free layer: pack the batch "
+                f"{self.name}: the reverse direction of a bidirectional {type(module).__name__} reads a padded "
+                "batch's padding before its real steps, so no mask makes it the padding-free layer: pack the batch "
                 "(torch.nn.utils.rnn.pack_padded_sequence) instead of masking it"
             )
         return mask if mask.shape == h.shape[:-1] else None

@@ -233,7 +233,7 @@ def test_a_recurrent_model_has_every_weight_matrix_transformed_or_named_with_its
         "decoder.weight_hh",
         "head.weight",
     }
-    deep = "a GRU with num_layers=2: the inputs of its layers ≥ 1 and every layer's h_(t−1) stay inside the fused"
+    deep = "GRU with num_layers=2: the inputs of its layers ≥ 1 and every layer's h_(t−1) stay inside the fused"
     assert pre.skipped["embed.weight"] == "embedding (embeddings=False)"
     assert all(pre.skipped[f"deep.weight_{b}_l{i}"].startswith(deep) for b in ("ih", "hh") for i in (0, 1))
     assert pre.skipped["projected.weight_hr_l0"].startswith("the projection of an LSTM with proj_size")
