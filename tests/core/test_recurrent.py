@@ -511,3 +511,24 @@ def test_the_floor_of_a_run_of_column_blocks_is_the_max_over_the_run() -> None:
     assert layout.layer_max(flat).tolist() == [5.0, 5.0, 3.0, 3.0, 3.0, -7.0]
     assert layout.floor_max(flat).tolist() == [5.0, 3.0, 3.0, -7.0]
     assert layout.segment_max(flat).tolist() == [5.0, 2.0, 3.0, -7.0]  # each layer's own (the warnings' peak)
+
+
+def test_the_step_transform_of_each_block_maps_other_vectors_as_it_mapped_the_gradient() -> None:
+    """``layer.transform.apply_`` (what z-space regularization and the landscape probes use) carries the bias share:
+    applied to the raw gradients it gives what the step gave."""
+    module = _module(nn.GRU, bidirectional=True, batch_first=False)
+    x, h0, _ = _inputs(False, True, 2)
+    pre = BNPPreconditioner(module, statistics="batch")
+    random_loss(module(x, h0)).backward()
+    raw = {n: p.grad.clone() for n, p in module.named_parameters()}
+    pre.step()
+    grads = dict(module.named_parameters())
+    for layer in pre.layers.values():
+        assert layer.transform is not None
+        vec_w, vec_b = raw[layer.kind.weight_name].clone(), raw[layer.kind.bias_name].clone()  # type: ignore[index]
+        layer.transform.apply_(vec_w, vec_b)
+        rows = layer.rows
+        torch.testing.assert_close(rows(vec_w), rows(grads[layer.kind.weight_name].grad), **F64)
+        torch.testing.assert_close(layer.bias_rows(vec_b), layer.bias_rows(grads[layer.kind.bias_name].grad), **F64)  # type: ignore[index]
+    assert sorted(layer.transform.share for layer in pre.layers.values()) == [1] * 4 + [2] * 4  # type: ignore[union-attr]
+    pre.detach()
