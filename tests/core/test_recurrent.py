@@ -532,3 +532,18 @@ def test_the_step_transform_of_each_block_maps_other_vectors_as_it_mapped_the_gr
         torch.testing.assert_close(layer.bias_rows(vec_b), layer.bias_rows(grads[layer.kind.bias_name].grad), **F64)  # type: ignore[index]
     assert sorted(layer.transform.share for layer in pre.layers.values()) == [1] * 4 + [2] * 4  # type: ignore[union-attr]
     pre.detach()
+
+
+def test_a_compiled_step_transforms_a_gru_as_the_eager_step_does() -> None:
+    """``compile_step``: q² as tensors, the bias share and the run floor inside one graph, to round-off."""
+    module = _module(nn.GRU, bidirectional=True, batch_first=False)
+    compiled_module = copy.deepcopy(module)
+    eager, compiled = BNPPreconditioner(module), BNPPreconditioner(compiled_module).compile_step()
+    x, h0, _ = _inputs(False, True, 2)
+    for i in range(2):
+        for m, pre in ((module, eager), (compiled_module, compiled)):
+            m.zero_grad()
+            random_loss(m(x + i, h0)).backward()
+            pre.step()
+        for (name, p), q in zip(module.named_parameters(), compiled_module.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-13, msg=name)
