@@ -547,3 +547,32 @@ def test_a_compiled_step_transforms_a_gru_as_the_eager_step_does() -> None:
             pre.step()
         for (name, p), q in zip(module.named_parameters(), compiled_module.parameters()):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-13, msg=name)
+
+
+def test_an_unbatched_sequence_and_an_unbatched_cell_are_one_sample() -> None:
+    """A (T, F) input (``hx`` (D, H)) and a cell's (F,) input are one sequence, one row per step."""
+    torch.manual_seed(0)
+    module = nn.LSTM(3, 4, bidirectional=True).double()
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    h0, c0 = (torch.randn(2, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    raw, output = step(module, lambda m: _once(m, x, h0, c0))
+    for d in range(2):
+        tail = "_l0" + ("_reverse" if d else "")
+        z = previous_rows(x[None], h0[d][None], output[None, :, 4 * d : 4 * d + 4], [4], reverse=bool(d))
+        check_pair(module, expect_pair(raw, z, tail, "batch"), tail, **F64)
+    cell = nn.GRUCell(3, 4).double()
+
+    def run(m: nn.Module) -> tuple[Tensor, Any]:
+        h1 = m(x[0])
+        h2 = m(x[1], h1)
+        rows = torch.stack([torch.cat([x[0], torch.zeros(4, dtype=torch.float64)]), torch.cat([x[1], h1.detach()])])
+        return random_loss((h1, h2)), rows
+
+    raw, z = step(cell, run)
+    check_pair(cell, expect_pair(raw, z, "", "batch", slice(0, 8)), "", slice(0, 8), **F64)
+
+
+def _once(module: nn.Module, x: Tensor, h0: Tensor, c0: Tensor) -> tuple[Tensor, Tensor]:
+    output = module(x, (h0, c0))
+    return random_loss(output), output[0]
