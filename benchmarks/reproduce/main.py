@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import worker_processes
+from benchmarks import recurrent, worker_processes
 from benchmarks.reproduce import conv_statistics, convergence, cost, default_start, kappa, weight_conditioning
 from benchmarks.reproduce.runs import Job, Run, task
+from benchmarks.reproduce.sections import splice_section
 from benchmarks.reproduce.selection import choose
 from benchmarks.reproduce.settings import CONVERGENCE, KAPPA, QUICK_SEEDS, RESNET, WC, Setting, quick
 from benchmarks.transformers import report as transformers_report
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     # §7 (Transformers) comes from `python -m benchmarks.transformers` on its own machine: kept as it was
     kept = transformers_report.extract(path.read_text()) if path.exists() else []
     text = "\n".join(lines) + "\n"
-    path.write_text(transformers_report.splice(text, kept) if kept else text)
+    text = transformers_report.splice(text, kept) if kept else text
+    # §8 (recurrent layers) comes from `python -m benchmarks.recurrent`: kept as it was too
+    kept = recurrent.extract(path.read_text()) if path.exists() else []
+    path.write_text(splice_section(text, recurrent.HEADER, kept) if kept else text)
     print("\n".join(lines))
     print(f"wrote {args.out / 'RESULTS.md'} and {figures}/*.png in {seconds:.0f} s")

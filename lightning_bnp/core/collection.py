@@ -174,29 +174,31 @@ class StatisticsCollection:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         h: Tensor,
-        out: Tensor,
-        moments: Callable[[nn.Module, Tensor, Tensor], Moments],
+        out: Tensor | tuple[Tensor, ...],
+        moments: Callable[[nn.Module, Tensor, Any], Moments],
         weight: Tensor,
     ) -> None:
         """Count the moments of one (input, output) pair of a training forward call: ``moments`` reduces ``h`` (on
         ``h.detach()``: it records no graph) unless a token mask applies or ``h`` is nested; they join the step once
-        the backward reaches ``out``, or at once in a traced forward (README, "torch.compile"). ``weight``: the
-        layer's weight attribute as this forward found it."""
+        the backward reaches ``out`` (any one of them, for a tuple: a recurrent layer's sequence and final states),
+        or at once in a traced forward (README, "torch.compile"). ``weight``: the layer's weight attribute as this
+        forward found it."""
         special = None
         if self.masks.mask is not None or h.is_nested:  # token masks, jagged rows
             special = self.masks.moments_of(layer, module, args, kwargs, h, out)
         if torch.compiler.is_compiling():
             layer.add_moments(moments(module, h, out) if special is None else special)
             return
-        node = out.grad_fn
-        if node is not None:
+        nodes = [out.grad_fn] if isinstance(out, Tensor) else list(dict.fromkeys(o.grad_fn for o in out))
+        if any(node is not None for node in nodes):
             # the tensor this forward used as the weight (the module's attribute now: torch.func.functional_call
             # swaps in its own tensors) is not the leaf BNP manages: its gradient lands elsewhere
             leaf = self.leaves.get(layer.name)
             foreign = leaf is not None and weight is not leaf()
-            node.register_prehook(
-                self._count_when_reached(layer, moments(module, h, out) if special is None else special, foreign)
-            )
+            count = self._count_when_reached(layer, moments(module, h, out) if special is None else special, foreign)
+            for node in nodes:  # (one count: the first node the backward reaches)
+                if node is not None:
+                    node.register_prehook(count)
 
     def _register_calls_hooks(self, layer: ManagedLayer, module: nn.Module, shared: list[Any]) -> list[RemovableHandle]:
         """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
@@ -238,7 +240,9 @@ class StatisticsCollection:
                 return
             weight = layer.weight
             for h, out in calls:
-                if isinstance(h, Tensor) and isinstance(out, Tensor):
+                if isinstance(h, Tensor) and (
+                    isinstance(out, Tensor) or (isinstance(out, tuple) and all(isinstance(o, Tensor) for o in out))
+                ):
                     self._record(layer, module, args, kwargs, h, out, reduce, weight)
 
         handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))

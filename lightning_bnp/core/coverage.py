@@ -128,6 +128,11 @@ def _reason(
     if isinstance(owner, nn.EmbeddingBag):
         return f"embedding ({cls.__name__}: not a layer kind BNP manages)"
     fed = any(_weight_of(k, owner) is parameter for k in kinds)
+    # a kind of its type may say why it feeds no kind in this form (core/recurrent.py: a multi-layer module's weights)
+    typed = (k for k in scan.known if isinstance(owner, k.module_types())) if not fed else ()
+    why = next((w for k in typed if (w := k.left_alone(owner, attr)) is not None), None)
+    if why is not None:
+        return why
     if not fed and any(word in attr.lower() for word in ("pos", "embed", "token")):
         return f"embedding / positional parameter {attr!r} of {cls.__name__}"
     if not fed and parameter.dim() > 2 and sum(size > 1 for size in parameter.shape) <= 1:

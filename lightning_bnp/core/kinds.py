@@ -4,13 +4,12 @@ BNP's transform is row-local: output row i of a weight needs G_w[i, :], G_b[i] a
 input that row multiplies. So a layer kind only says
 
 * which modules it applies to (:attr:`LayerKind.module_type`, subclasses included);
-* which tensor of a forward call is the input (:meth:`LayerKind.input`, from the forward hook's
-  ``args``/``kwargs``);
-* which weight and bias that input feeds (:attr:`~LayerKind.weight_name`, :attr:`~LayerKind.bias_name`) and
-  how they map to BNP's layout of output rows × input features (:meth:`LayerKind.rows`,
-  :meth:`LayerKind.bias_rows`: a weight stored transposed, or a row block of a larger weight);
-* how to reduce the input to per-feature moments (:meth:`LayerKind.moments`), and the ``fan_in``,
-  ``groups`` and ``features`` that follow from the layout;
+* which tensor of a forward call is the input (:meth:`LayerKind.input`, from the forward hook's ``args``/``kwargs``);
+* which weight and bias that input feeds (:attr:`~LayerKind.weight_name`, :attr:`~LayerKind.bias_name`) and how they
+  map to BNP's layout of output rows × input features (:meth:`LayerKind.rows`, :meth:`LayerKind.bias_rows`: a weight
+  stored transposed, or a row block of a larger weight);
+* how to reduce the input to per-feature moments (:meth:`LayerKind.moments`), and the ``fan_in``, ``groups`` and
+  ``features`` that follow from the layout;
 * what else sets it apart, so that the preconditioner never asks for a module class: the weight whose ``F.linear``
   calls give its input (``watched``: :attr:`LayerKind.captures`), what an entry of its statistics is, and whether
   statistics saved under other options fit it (:meth:`LayerKind.statistics_unit`, :meth:`~LayerKind.statistics_differ`).
@@ -22,9 +21,9 @@ and ``nn.Conv{1,2,3}d`` are two built-in kinds (registered by :mod:`~lightning_b
 user teaches BNP a new kind with :func:`register_layer_kind`; its :attr:`~LayerKind.name` is then accepted in
 ``layer_types`` (YAML too).
 
-Several kinds may apply to one module (each then feeds its own rows of its own weight from its own input,
-e.g. the q, k and v blocks of one packed projection: :meth:`~LayerKind.rows` returns ``weight[a:b]``, and
-:attr:`~LayerKind.suffix` names the layer ``<module name><suffix>``).
+Several kinds may apply to one module (each then feeds its own rows of its own weight from its own input, e.g. the q,
+k and v blocks of one packed projection: :meth:`~LayerKind.rows` returns ``weight[a:b]``, and :attr:`~LayerKind.suffix`
+names the layer ``<module name><suffix>``; or a recurrent layer's column blocks: :meth:`~LayerKind.column_block`).
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ LINEAR_FAMILY = "Linear"
 class LayerKind:
     """How BNP reads one kind of layer. Subclass it, set :attr:`name` and :attr:`module_type`, override what
     differs from a linear layer ``y = x @ weight.T + bias`` (the defaults), and :func:`register_layer_kind` it.
-
     Every method gets the module, so one instance serves every module of its type.
 
     Example (a linear layer that stores its weight (in, out), as GPT-2's ``Conv1D`` does)::
@@ -90,8 +88,8 @@ class LayerKind:
     name: ClassVar[str] = ""
     #: the module class(es) this kind applies to (subclasses included); see also :meth:`module_types`
     module_type: ClassVar[type[nn.Module] | tuple[type[nn.Module], ...]] = ()
-    #: a built-in ``layer_types`` name that also selects this kind (``"Linear"``: a linear layer in another
-    #: layout is managed whenever linear layers are), or ``None``: only its own :attr:`name` selects it
+    #: a built-in ``layer_types`` name that also selects this kind (``"Linear"``: a linear layer in another layout is
+    #: managed whenever linear layers are), or ``None``: only its own :attr:`name` selects it
     family: ClassVar[str | None] = None
     #: appended to the module's name to name the BNP layer (several kinds on one module need distinct ones)
     suffix: ClassVar[str] = ""
@@ -105,8 +103,8 @@ class LayerKind:
     dense: ClassVar[bool] = True
     #: preconditioner options that shape this kind's statistics (saved with the state when such a layer exists)
     options: ClassVar[tuple[str, ...]] = ()
-    #: set per class: :meth:`rows`, :meth:`bias_rows` and :meth:`input` are the defaults (the step and the
-    #: forward hook then skip calling them: they run for every layer every step)
+    #: set per class: :meth:`rows`, :meth:`bias_rows` and :meth:`input` are the defaults (the step and the forward hook
+    #: then skip calling them: they run for every layer every step)
     same_rows: ClassVar[bool] = True
     default_input: ClassVar[bool] = True
     default_calls: ClassVar[bool] = True
@@ -123,8 +121,7 @@ class LayerKind:
         cls.captures = callable(getattr(cls, "watched", None))
 
     def module_types(self) -> tuple[type[nn.Module], ...]:
-        """The classes this kind applies to now (a kind may resolve them lazily, see
-        :class:`TransformersConv1DKind`)."""
+        """The classes this kind applies to now (resolved lazily by some, e.g. :class:`TransformersConv1DKind`)."""
         types = self.module_type
         return types if isinstance(types, tuple) else (types,)
 
@@ -149,19 +146,18 @@ class LayerKind:
     def calls(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> list[tuple[Any, Any]]:
-        """``[(input, output)]`` pairs of one forward call: the input the rows multiply and a tensor the
-        backward reaches when it reaches those rows (the statistics count then). ``[(input(…), output)]`` by
-        default; a kind whose module returns a tuple (``nn.MultiheadAttention``) overrides it."""
+        """``[(input, output)]`` pairs of one forward call: the input the rows multiply and a tensor (or a tuple of
+        them: any one) the backward reaches when it reaches those rows (the statistics count then). ``[(input(…),
+        output)]`` by default; a kind whose module returns a tuple (``nn.MultiheadAttention``) overrides it."""
         return [(self.input(module, args, kwargs), output)]
 
     def claims(self, module: nn.Module) -> tuple[nn.Module, ...]:
-        """Submodules whose weight this kind feeds in their place (their own kinds then leave them alone), e.g.
-        a Linear its parent uses through ``F.linear``. None by default."""
+        """Submodules whose weight this kind feeds in their place (their kinds then leave them alone), e.g. a Linear
+        its parent uses through ``F.linear``. None by default."""
         return ()
 
     def refuse(self, module: nn.Module) -> str | None:
-        """Why BNP cannot manage this module in its current form (then selecting it is an error naming the
-        layer), or ``None`` (the default)."""
+        """Why BNP cannot manage this module in its form (selecting it is then an error naming it), or ``None``."""
         return None
 
     def reparametrized(self, module: nn.Module) -> str | None:
@@ -201,6 +197,20 @@ class LayerKind:
         blocks of ``nn.MultiheadAttention.in_proj_weight``): the step may then transform the n blocks as one
         grouped matrix, each block with its own statistics (one kernel for the n bias updates). ``None``
         (the default): the layer's rows are transformed on their own."""
+        return None
+
+    def column_block(self, module: nn.Module) -> tuple[int, int] | None:
+        """``(i, n)``: this weight is column block i of n of one linear layer (sibling kinds next to it on the module),
+        whose n bias tensors get one gradient (``nn.LSTM``'s ``[W_ih | W_hh]``, bias ``b_ih + b_hh``): one ε1 floor
+        for the n blocks, each bias takes 1/n of G_b/q² (:mod:`~lightning_bnp.core.recurrent`). ``None`` by default."""
+        return None
+
+    def present(self, module: nn.Module) -> bool:
+        """Whether ``module`` holds this kind's rows in its form (e.g. a reverse direction). True by default."""
+        return True
+
+    def left_alone(self, module: nn.Module, attribute: str) -> str | None:
+        """Why a parameter ``attribute`` of ``module`` that no kind feeds is left alone, or ``None`` (the generic)."""
         return None
 
     def groups(self, module: nn.Module) -> int:
@@ -287,16 +297,14 @@ class ConvNdKind(LayerKind):
 
 
 class TransformersConv1DKind(LayerKind):
-    """``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, …): a linear layer ``addmm(bias, x, weight)`` whose
-    weight is stored (in, out). Applies once the user has imported ``transformers`` (never imported here)."""
+    """``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, …): ``addmm(bias, x, weight)``, weight stored (in, out)."""
 
     name = "transformers.Conv1D"
     family = LINEAR_FAMILY
     input_name = "x"
 
     def module_types(self) -> tuple[type[nn.Module], ...]:
-        utils = sys.modules.get("transformers.pytorch_utils")
-        conv1d = getattr(utils, "Conv1D", None)
+        conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)  # (never imported here)
         return (conv1d,) if isinstance(conv1d, type) else ()
 
     def rows(self, module: nn.Module, weight: Tensor) -> Tensor:
@@ -408,8 +416,7 @@ def unregister_layer_kind(name: str) -> None:
 
 
 def register_built_in_kinds(*kinds: LayerKind) -> None:
-    """Register the package's own kinds (:mod:`lightning_bnp.core.builtin_kinds`), which
-    :func:`unregister_layer_kind` refuses to remove."""
+    """Register the package's own kinds (:mod:`lightning_bnp.core.builtin_kinds`): never unregistered."""
     for kind in kinds:
         register_layer_kind(kind)
         _BUILT_IN.add(kind.name)

@@ -48,12 +48,13 @@ class StepTransform:
     # a weight- / bias-shaped tensor as the layer's rows (its kind's view: e.g. transposed, or a row block)
     rows: Callable[[Tensor], Tensor] = field(default=_as_is, repr=False)
     bias_rows: Callable[[Tensor], Tensor] = field(default=_as_is, repr=False)
+    share: int = 1  # n: the bias is one of n tensors holding one bias (LayerKind.column_block)
 
     def apply_(self, vec_w: Tensor, vec_b: Tensor | None) -> None:
         """vec ← M·vec in place (``vec_w`` shaped like the weight, ``vec_b`` like the bias); ``vec_b`` is ignored
         (may be None) when there is no centring block."""
         vec_b = self.bias_rows(vec_b) if vec_b is not None and self.mu is not None else None
-        precondition_(self.rows(vec_w), vec_b, self.mu, self.var_t, self.q2, self.groups)
+        precondition_(self.rows(vec_w), vec_b, self.mu, self.var_t, self.q2, self.groups, self.share)
 
 
 @dataclass

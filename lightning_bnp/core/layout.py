@@ -40,6 +40,8 @@ class FeatureLayout:
         dtype: the statistics' dtype (float32, or float64 for float64 models).
         decay_offset: κ of the running statistics' ``decay`` = ρ^t + κ
             (:class:`~lightning_bnp.core.statistics.RunningStatistics`): its batch value in the running update.
+        floor_runs: runs (first layer, n) of consecutive layers that are the column blocks of one linear layer
+            (:meth:`~lightning_bnp.core.kinds.LayerKind.column_block`): σ̃²'s floor ε1·max σ² is the run's.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class FeatureLayout:
         device: torch.device,
         dtype: torch.dtype,
         decay_offset: float = 0.0,
+        floor_runs: Sequence[tuple[int, int]] = (),
     ) -> None:
         self.sizes = list(sizes)
         self.total = sum(self.sizes)
@@ -70,6 +73,22 @@ class FeatureLayout:
         self.decay_target = torch.full((len(self.sizes),), decay_offset, dtype=dtype, device=device)
         self.ceiling = variance_ceiling(dtype)
         self._ones = [1] * len(self.sizes)
+        # the floor's segments: one per layer, or one per run of column blocks (their features are consecutive)
+        self.floor_lengths: Tensor | None = None
+        self.floor_owner: Tensor | None = None
+        self.floor_of_layer: Tensor | None = None
+        if floor_runs:
+            inside = {i for first, n in floor_runs for i in range(first + 1, first + n)}  # not a run's first
+            floor_of_layer: list[int] = []
+            lengths: list[int] = []
+            for i, size in enumerate(self.sizes):
+                if i not in inside:  # a segment of its own, or the first of a run
+                    lengths.append(0)
+                floor_of_layer.append(len(lengths) - 1)
+                lengths[-1] += size
+            self.floor_of_layer = torch.tensor(floor_of_layer, device=device)
+            self.floor_lengths = torch.tensor(lengths, device=device)
+            self.floor_owner = self.floor_of_layer.index_select(0, self.owner)
 
     def per_layer(self, values: Sequence[float]) -> Tensor:
         """A vector holding ``values[l]`` on every entry of layer l."""
@@ -87,8 +106,18 @@ class FeatureLayout:
         return self._cache.get_or_make(key, lambda: torch.tensor(values, dtype=self.dtype, device=self.device))
 
     def layer_max(self, flat: Tensor) -> Tensor:
-        """max over each layer's entries, broadcast back onto them."""
-        return self.segment_max(flat).index_select(0, self.owner)
+        """max over each layer's entries (over its run's, for column blocks: ``floor_runs``), broadcast onto them."""
+        if self.floor_lengths is None:
+            return self.segment_max(flat).index_select(0, self.owner)
+        runs = torch.segment_reduce(flat, "max", lengths=self.floor_lengths, unsafe=True)
+        return runs.index_select(0, self.floor_owner)  # type: ignore[arg-type]
+
+    def floor_max(self, flat: Tensor) -> Tensor:
+        """:meth:`segment_max`, one per layer, where each run of column blocks has its run's max (``floor_runs``)."""
+        if self.floor_lengths is None:
+            return self.segment_max(flat)
+        runs = torch.segment_reduce(flat, "max", lengths=self.floor_lengths, unsafe=True)
+        return runs.index_select(0, self.floor_of_layer)  # type: ignore[arg-type]
 
     def segment_max(self, flat: Tensor) -> Tensor:
         """max over each layer's entries, one per layer (NaN where a layer has a NaN entry)."""

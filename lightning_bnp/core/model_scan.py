@@ -62,11 +62,12 @@ def kinds_for(layer_types: Sequence[str]) -> list[LayerKind]:
 
 def kinds_of(module: nn.Module, kinds: Sequence[LayerKind]) -> list[LayerKind]:
     """The kinds among ``kinds`` that apply to ``module``: per :attr:`~LayerKind.suffix`, the one whose class is
-    the most specific (first in the module's MRO), e.g. a user's kind for a subclass of ``nn.Linear``."""
+    the most specific (first in the module's MRO), e.g. a user's kind for a subclass of ``nn.Linear``; of those,
+    the ones whose rows the module holds in its form (:meth:`~LayerKind.present`: a bidirectional layer's reverse)."""
     mro = type(module).__mro__
     best: dict[str, tuple[int, LayerKind]] = {}
     for kind in kinds:
         depth = min((mro.index(t) for t in kind.module_types() if t in mro), default=None)
         if depth is not None and (kind.suffix not in best or depth < best[kind.suffix][0]):
             best[kind.suffix] = (depth, kind)
-    return [kind for _, kind in best.values()]
+    return [kind for _, kind in best.values() if kind.present(module)]

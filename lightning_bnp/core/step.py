@@ -260,9 +260,9 @@ class PreconditionerStep:
             writes, views = plan.state_after(after, finite, steps_before)
             pending.writes.extend(writes)
             pending.items.extend(zip(runnings, views))
-        for (layer, _, grad_w), mu_l, var_t_l, q2, grad_b in zip(
-            ready, layout.split(mu), layout.split(var_t), q2s, grads_b
+        for (layer, _, grad_w), mu_l, var_t_l, q2, grad_b, share in zip(
+            ready, layout.split(mu), layout.split(var_t), q2s, grads_b, plan.shares
         ):
             mu_used = mu_l if grad_b is not None else None
-            layer.transform = StepTransform(mu_used, var_t_l, q2, layer.groups, layer.rows, layer.bias_rows)
+            layer.transform = StepTransform(mu_used, var_t_l, q2, layer.groups, layer.rows, layer.bias_rows, share)
             layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)

@@ -38,6 +38,8 @@ class StepConfig:
     groups: tuple[int, ...]
     # per entry, how its gradient meets its statistics and bias gradient (transform.broadcast_shapes)
     shapes: tuple[tuple[Any, ...], ...]
+    # per entry, n where its bias is one of n tensors holding one bias (column blocks: LayerKind.column_block), else 1
+    shares: tuple[int, ...] = ()
 
 
 def step_math(
@@ -106,7 +108,7 @@ def step_math(
             var_t = var_tilde(var, config.eps1, config.eps2, maxima=layout.layer_max(var))
         else:  # the paper's view σ² = v + ρ^t; σ̃² = σ² + ε1·max σ² + ε2 = v + ε1·(max v + ρ^t·(1 + ε1)/ε1 + ε2/ε1)
             # = v + ε1·(max v + d·(1 + ε1)/ε1) with d = ρ^t + ε2/(1 + ε1): the ε2 term rides in d (one op less)
-            floor = torch.add(layout.segment_max(var_acc), decay, alpha=(1.0 + config.eps1) / config.eps1)
+            floor = torch.add(layout.floor_max(var_acc), decay, alpha=(1.0 + config.eps1) / config.eps1)
             mu, var_t = mean_acc, torch.add(var_acc, floor.index_select(0, layout.owner), alpha=config.eps1)
     q2_out = peak
     if counts is not None:
@@ -122,5 +124,5 @@ def step_math(
     assert q2_flat is not None
     mus = [m if grad_b is not None else None for m, grad_b in zip(mu.split_with_sizes(config.sizes), grads_b)]
     scales = (var_t * q2_flat).split_with_sizes(config.sizes)  # q²σ̃², all layers in one product
-    precondition_scaled_(grads_w, grads_b, mus, scales, q2s, config.groups, config.shapes)
+    precondition_scaled_(grads_w, grads_b, mus, scales, q2s, config.groups, config.shapes, config.shares or None)
     return mu, var_t, after, finite, peak, q2_out

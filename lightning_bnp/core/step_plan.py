@@ -21,7 +21,7 @@ from lightning_bnp.core.statistics import Moments, RunningStatistics, count_on_d
 from lightning_bnp.core.step_math import StepConfig
 from lightning_bnp.core.transform import broadcast_shapes
 
-__all__ = ["StepPlan", "row_block_runs", "row_block_spans"]
+__all__ = ["StepPlan", "column_block_runs", "row_block_runs", "row_block_spans"]
 
 # one layer of a step: the layer, its pooled moments and the gradient of its weight leaf (this rank's rows)
 Ready = tuple[ManagedLayer, Moments, Tensor]
@@ -50,9 +50,20 @@ class StepPlan:
     """
 
     def __init__(self, layers: list[ManagedLayer], device: torch.device, dtype: torch.dtype, decay_offset: float):
+        # the column blocks of one linear layer (LayerKind.column_block): one floor, and their biases share G_b/q²
+        self.column_runs = column_block_runs(layers)
         self.layout = FeatureLayout(
-            [layer.features for layer in layers], [layer.has_bias for layer in layers], device, dtype, decay_offset
+            [layer.features for layer in layers],
+            [layer.has_bias for layer in layers],
+            device,
+            dtype,
+            decay_offset,
+            self.column_runs,
         )
+        shares = [1] * len(layers)
+        for first, n in self.column_runs:
+            shares[first : first + n] = [n] * n
+        self.shares = tuple(shares)
         # the q, k, v row blocks of one weight: one entry of the transform (LayerKind.row_block)
         self.row_runs = row_block_runs(layers)
         self.fan_in = torch.tensor([layer.fan_in for layer in layers], dtype=torch.float64, device=device)
@@ -76,7 +87,10 @@ class StepPlan:
             sizes = tuple(sum(self.layout.sizes[i : i + n]) for i, n in spans)
             groups = tuple(ready[i][0].groups if n == 1 else n for i, n in spans)
             shapes = tuple(broadcast_shapes(w, k, size) for w, k, size in zip(entry_w, groups, sizes))
-            config = self.configs[(one_row, spans)] = StepConfig(*settings, one_row, spans, sizes, groups, shapes)
+            shares = tuple(self.shares[i] for i, _ in spans) if self.column_runs else ()
+            config = self.configs[(one_row, spans)] = StepConfig(
+                *settings, one_row, spans, sizes, groups, shapes, shares
+            )
         return config
 
     def state_before(self, runnings: list[RunningStatistics], like: Tensor) -> tuple[Tensor, Tensor]:
@@ -150,6 +164,31 @@ def row_block_runs(layers: list[ManagedLayer]) -> tuple[tuple[int, int], ...]:
                 runs.append((i, n))
                 i += n
                 continue
+        i += 1
+    return tuple(runs)
+
+
+def column_block_runs(layers: list[ManagedLayer]) -> tuple[tuple[int, int], ...]:
+    """Runs (first layer, n) of ``layers`` that are the n column blocks of one linear layer in order
+    (:meth:`LayerKind.column_block`, a recurrent layer's ``weight_ih`` and ``weight_hh``): fixed for a set of layers.
+    Blocks whose siblings are not all in ``layers`` (one excluded, or frozen) are layers on their own."""
+    runs, i = [], 0
+    while i < len(layers):
+        layer = layers[i]
+        block = layer.kind.column_block(layer.module)
+        n = block[1] if block is not None and block[0] == 0 else 1
+        run = layers[i : i + n]
+        if (
+            n > 1
+            and len(run) == n
+            and all(
+                other.module is layer.module and other.kind.column_block(other.module) == (j, n)
+                for j, other in enumerate(run)
+            )
+        ):
+            runs.append((i, n))
+            i += n
+            continue
         i += 1
     return tuple(runs)
 

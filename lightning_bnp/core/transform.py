@@ -101,6 +101,7 @@ def precondition_(
     var_t: Tensor,
     q2: float | Tensor,
     groups: int = 1,
+    share: int = 1,
 ) -> None:
     """Apply (1/q²)·P·Pᵀ to one layer's gradients, in place (Alg. 2/3 steps 4–5).
 
@@ -112,8 +113,12 @@ def precondition_(
         var_t: σ̃², same length as μ.
         q2: the scale q² (a float, or a 0-dim tensor when it comes from counts pooled over ranks).
         groups: convolution groups (1 for Linear).
+        share: n where the bias is one of n tensors that hold one bias, each the bias of one column block of the
+            layer (a recurrent layer's ``b_ih``, ``b_hh``: :mod:`~lightning_bnp.core.recurrent`): its update is then
+            G_b/(n·q²) − Σ_j μ_j·G_w_new[i, j] over this block's columns j, so that the n updates sum to the
+            layer's.
     """
-    precondition_many_([grad_w], [grad_b], [mu], [var_t], [q2], [groups])
+    precondition_many_([grad_w], [grad_b], [mu], [var_t], [q2], [groups], [share])
 
 
 @torch.no_grad()
@@ -124,6 +129,7 @@ def precondition_many_(
     var_ts: Sequence[Tensor],
     q2s: Sequence[float | Tensor],
     groups: Sequence[int],
+    shares: Sequence[int] | None = None,
 ) -> None:
     """:func:`precondition_` for several layers at once, with ``torch._foreach_*`` kernels.
 
@@ -135,7 +141,7 @@ def precondition_many_(
         scales = [var_t * q2 for var_t, q2 in zip(var_ts, q2s)]
     else:
         scales = torch._foreach_mul(list(var_ts), list(q2s))  # type: ignore[arg-type]
-    precondition_scaled_(grads_w, grads_b, mus, scales, q2s, groups)
+    precondition_scaled_(grads_w, grads_b, mus, scales, q2s, groups, None, shares)
 
 
 def broadcast_shapes(grad_w: Tensor, groups: int, features: int) -> tuple[Any, ...]:
@@ -154,6 +160,7 @@ def precondition_scaled_(
     q2s: Sequence[float | Tensor],
     groups: Sequence[int],
     shapes: Sequence[tuple[Any, ...]] | None = None,
+    shares: Sequence[int] | None = None,
 ) -> None:
     """:func:`precondition_many_` given ``scales`` = q²·σ̃² per layer (the step computes them for all layers
     in one flat product). Every elementwise step is one foreach call for all layers, on views that need no
@@ -165,7 +172,8 @@ def precondition_scaled_(
     all blocks or a (n, 1) tensor. The grouped views then give each block its own μ and σ̃², and the bias
     update is one batched product for the n blocks (issue 24).
 
-    ``shapes``: each entry's :func:`broadcast_shapes`, when the caller has them (else they are looked up)."""
+    ``shapes``: each entry's :func:`broadcast_shapes`, when the caller has them (else they are looked up).
+    ``shares``: per entry, the n of :func:`precondition_`'s ``share`` (1 for all when ``None``)."""
     with torch.no_grad():
         gw, scale_w, centred, mu_w, gb_w, columns = [], [], [], [], [], []
         for i, (g, k, scale, gb, mu) in enumerate(zip(grads_w, groups, scales, grads_b, mus)):
@@ -190,12 +198,13 @@ def precondition_scaled_(
         for i, mu in zip(centred, mu_w):  # G_b ← G_b/q² − Σ_j μ_j G_w_new[i, j]
             g, grad_b, q2 = gw[i], grads_b[i], q2s[i]
             assert grad_b is not None
+            share = 1 if shares is None else shares[i]  # G_b/(n·q²): one of n bias tensors of one bias
             if isinstance(q2, Tensor):  # on the device (counts pooled over ranks): never read back
                 # a (blocks, 1) q² for the row blocks of one grouped entry (one value per block)
                 (grad_b if q2.dim() == 0 else grad_b.view(q2.shape[0], -1)).div_(q2)
-                beta = 1.0
+                beta = 1.0 / share
             else:
-                beta = 1.0 / q2
+                beta = 1.0 / (share * q2)
             if groups[i] == 1:  # kernel positions summed first: (out, c_in); per column: (out, c_in·k)
                 per_channel = g if g.dim() == 2 else (g.flatten(1) if columns[i] else g.flatten(2).sum(-1))
                 grad_b.addmv_(per_channel, mu if mu.dim() == 1 else mu.view(-1), beta=beta, alpha=-1.0)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 from lightning_bnp import BNPPreconditioner
+from lightning_bnp.core import BNPWarning
 from lightning_bnp.core.conditioning import Equilibration
 from tests.helpers import Affine
 
@@ -194,3 +195,52 @@ def test_frozen_weights_left_alone_are_named_frozen_after_the_trainable_ones_and
         ("fixed.weight", "frozen; excluded by `exclude` pattern 'fixed'"),
     ]
     assert pre.coverage.trainable == 4
+
+
+class Tagger(nn.Module):
+    """A sequence tagger of the recurrent kinds BNP knows (issue 44): an embedding, a bidirectional LSTM encoder, a
+    two-layer GRU, an LSTM with a projection, a GRU cell unrolled by hand, and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.encoder = nn.LSTM(8, 16, bidirectional=True, batch_first=True)
+        self.deep = nn.GRU(32, 16, num_layers=2, batch_first=True)
+        self.projected = nn.LSTM(16, 16, proj_size=8, batch_first=True)
+        self.decoder = nn.GRUCell(8, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        states = self.projected(self.deep(self.encoder(self.embed(tokens))[0])[0])[0]
+        h = None
+        outputs = []
+        for t in range(states.shape[1]):
+            h = self.decoder(states[:, t], h)
+            outputs.append(self.head(h))
+        return torch.stack(outputs, 1)
+
+
+def test_a_recurrent_model_has_every_weight_matrix_transformed_or_named_with_its_reason() -> None:
+    model = Tagger()
+    pre = BNPPreconditioner(model)
+    matrices = {name for name, p in model.named_parameters() if p.dim() >= 2}
+    assert set(pre.coverage.transformed) | set(pre.skipped) == matrices
+    assert set(pre.coverage.transformed) == {
+        *(f"encoder.weight_{b}_l0{d}" for b in ("ih", "hh") for d in ("", "_reverse")),
+        "projected.weight_ih_l0",
+        "projected.weight_hh_l0",
+        "decoder.weight_ih",
+        "decoder.weight_hh",
+        "head.weight",
+    }
+    deep = "GRU with num_layers=2: the inputs of its layers ≥ 1 and every layer's h_(t−1) stay inside the fused"
+    assert pre.skipped["embed.weight"] == "embedding (embeddings=False)"
+    assert all(pre.skipped[f"deep.weight_{b}_l{i}"].startswith(deep) for b in ("ih", "hh") for i in (0, 1))
+    assert pre.skipped["projected.weight_hr_l0"].startswith("the projection of an LSTM with proj_size")
+    assert len(pre.skipped) == 6 and pre.coverage.trainable == 15
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)  # every managed layer ran and got its statistics
+        model(torch.randint(0, 50, (2, 4))).square().sum().backward()
+        pre.step()
+    assert all(layer.transform is not None for layer in pre.layers.values())
+    pre.detach()

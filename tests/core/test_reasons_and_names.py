@@ -52,14 +52,20 @@ def test_the_blocks_of_a_root_attention_are_named_q_k_v_and_out_proj() -> None:
 
 
 @pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU, nn.RNN])
-def test_a_recurrent_layers_weights_are_named_as_an_unknown_layer_type_not_by_its_bias_flag(
+def test_a_multi_layer_recurrent_layers_weights_are_named_by_its_layers_not_by_its_bias_flag(
     rnn: type[nn.Module],
 ) -> None:
-    """``nn.LSTM``'s ``bias`` is a bool flag, not a tensor: the reason is the layer type BNP does not know."""
-    model = nn.ModuleDict({"rnn": rnn(3, 4), "head": nn.Linear(4, 2)})
+    """``nn.LSTM``'s ``bias`` is a bool flag, not a tensor: a one-layer module is transformed (issue 44), a two-layer
+    one is named for its layers ≥ 1 (core/recurrent.py), not for its ``bias``."""
+    model = nn.ModuleDict({"rnn": rnn(3, 4), "deep": rnn(3, 4, num_layers=2), "head": nn.Linear(4, 2)})
     pre = BNPPreconditioner(model)
-    unknown = f"unknown layer type torch.nn.modules.rnn.{rnn.__name__} (teach BNP with register_layer_kind)"
-    assert pre.skipped == {"rnn.weight_ih_l0": unknown, "rnn.weight_hh_l0": unknown}
+    assert [name for name in pre.layers if name.startswith("rnn.")] and not pre.coverage.skipped.keys() & {
+        "rnn.weight_ih_l0",
+        "rnn.weight_hh_l0",
+    }
+    names = [f"deep.weight_{b}_l{i}" for i in (0, 1) for b in ("ih", "hh")]
+    assert sorted(pre.skipped) == sorted(names)
+    assert all(f"{rnn.__name__} with num_layers=2" in reason for reason in pre.skipped.values())
     pre.detach()
 
 

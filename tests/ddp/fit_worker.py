@@ -55,6 +55,22 @@ class Bucketed(nn.Module):
 NETS |= {"tokens": (Bucketed, (5,))}
 
 
+class Sequences(nn.Module):
+    """The 6 features as 3 steps of 2 through a bidirectional LSTM, read out at the last step (issue 44)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = nn.LSTM(2, 4, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.lstm(x.view(-1, 3, 2))[0][:, -1])
+
+
+NETS |= {"lstm": (Sequences, (6,))}
+
+
 class OrderedData(pl.LightningDataModule):
     """Rank r of W takes samples r, r+W, r+2W, …: per step the ranks' batches of b are exactly the
     single-process batch of W·b (Lightning's own distributed sampler would shuffle)."""

@@ -79,3 +79,23 @@ def test_embedding_with_padding_under_ddp_equals_one_process(tmp_path: Path) -> 
             assert state["bnp"]["layers"][name]["steps"] == layer["steps"] == 8
             for key in ("mean_acc", "var_acc"):
                 torch.testing.assert_close(state["bnp"]["layers"][name][key], layer[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_bidirectional_lstm_under_ddp_equals_one_process(tmp_path: Path) -> None:
+    """Issue 44: a recurrent layer's two column blocks per direction (x_t and h_{t−1} statistics, one floor, the bias
+    pair) pooled over 2 ranks (batch 8 each) end where one process with batch 16 ends."""
+    common = ("--n", "64", "--epochs", "2", "--net", "lstm")
+    (single,) = run_worker("fit_worker", tmp_path / "single", *common, "--strategy", "auto", "--devices", "1",
+                           "--batch-size", "16")  # fmt: skip
+    states = run_worker("fit_worker", tmp_path / "ddp", *common, "--strategy", "ddp", "--devices", "2",
+                        "--batch-size", "8")  # fmt: skip
+    assert len(states) == 2 and all(s["world_size"] == 2 and s["global_step"] == 8 for s in states)
+    layers = {f"network.lstm.{b}_l0{d}" for b in ("ih", "hh") for d in ("", "_reverse")} | {"network.head"}
+    assert set(single["bnp"]["layers"]) == layers
+    for state in states:
+        for name, p in single["params"].items():
+            torch.testing.assert_close(state["params"][name], p, rtol=1e-5, atol=1e-5 * p.abs().max().item(), msg=name)
+        for name, layer in single["bnp"]["layers"].items():
+            assert state["bnp"]["layers"][name]["steps"] == layer["steps"] == 8
+            for key in ("mean_acc", "var_acc"):
+                torch.testing.assert_close(state["bnp"]["layers"][name][key], layer[key], rtol=1e-5, atol=1e-6)
