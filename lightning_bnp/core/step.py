@@ -40,7 +40,10 @@ class PreconditionerStep:
         sync_statistics, process_group: pool the statistics over ranks (:mod:`~lightning_bnp.core.pooling`).
         decay_offset: κ of the running statistics' ``decay`` = ρ^t + κ.
         warnings: where the step's warnings go.
+        reference_step: the pure-torch transform for every plan, where the grouped kernel would run.
     """
+
+    reference_step = False  # (class default: a step pickled before the grouped kernel existed)
 
     def __init__(
         self,
@@ -54,7 +57,9 @@ class PreconditionerStep:
         process_group: Any,
         decay_offset: float,
         warnings: StepWarnings,
+        reference_step: bool = False,
     ) -> None:
+        self.reference_step = reference_step
         self.running = statistics == "running"
         self.settings = (self.running, bias_correction, rho, eps1, eps2)
         self.sync_statistics, self.process_group = sync_statistics, process_group
@@ -162,7 +167,10 @@ class PreconditionerStep:
     def plan(self, layers: list[ManagedLayer], like: Tensor) -> StepPlan:
         """The plan of ``layers`` (statistics on ``like``'s device and dtype), built once."""
         key = (tuple(layer.name for layer in layers), like.device, like.dtype)
-        return self.plans.get_or_make(key, lambda: StepPlan(layers, like.device, like.dtype, self.decay_offset))
+        return self.plans.get_or_make(
+            key,
+            lambda: StepPlan(layers, like.device, like.dtype, self.decay_offset, reference_step=self.reference_step),
+        )
 
     def transform(self, ready: list[Ready], pending: PendingUpdate, not_run_here: set[str]) -> None:
         """Steps 2–4 for every layer of ``ready`` at once (one device and dtype): the gathering here, the tensor
@@ -193,6 +201,7 @@ class PreconditionerStep:
         grads_b = [bias_grad(layer) for layer, _, _ in ready]
         counts = fan_in = q2_flat = None
         entry_q2s: list[Any] = []
+        host_q2s: list[Any] = []
         math = step_math  # with counts on the device the step runs eager
         if counts_on_device:
             spans = row_block_spans(plan.row_runs, ready, grads_b, None)
@@ -202,7 +211,7 @@ class PreconditionerStep:
                 q_squared(layer.fan_in, int(m.samples), int(m.out_positions) / int(m.samples)) for layer, m, _ in ready
             ]
             spans = row_block_spans(plan.row_runs, ready, grads_b, None if self.compiled else q2s)
-            q2_flat, math = layout.per_layer_cached(q2s), self.math
+            q2_flat, math, host_q2s = layout.per_layer_cached(q2s), self.math, q2s
             if self.compiled:  # tensors, so that a new q² is new data, not a recompilation
                 values = layout.per_layer_values(q2s)
                 q2s = list(values.unbind(0))
@@ -215,9 +224,15 @@ class PreconditionerStep:
             entry_b = [grads_b[i] if n == 1 else whole_bias_grad(ready[i][0]) for i, n in spans]
         config = plan.config(self.settings, one_row, spans, ready, entry_w)
         means, variances = [m.mean for m in moments], [m.var for m in moments]
+        kernels = q2_layers = None
+        # the grouped kernels' path (chosen with the plan; they take q² per layer). A compiled step keeps the torch
+        # ops, which inductor fuses into kernels of its own
+        if plan.grouped is not None and not self.compiled:
+            kernels = plan.grouped_kernels(config, entry_w, entry_b)
+            q2_layers = None if counts_on_device else layout.per_layer_values(host_q2s)
         mu, var_t, after, finite, peak, q2_out = math(
             layout, config, means, variances, running_mus, before, counts, fan_in, q2_flat, entry_q2s,
-            entry_w, entry_b,
+            entry_w, entry_b, kernels, q2_layers,
         )  # fmt: skip
         if counts_on_device:
             q2s = list(q2_out.unbind(0))
