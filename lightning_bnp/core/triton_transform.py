@@ -160,10 +160,10 @@ def _(grads_w: list[Tensor], grads_b: list[Tensor], mu: Tensor, scale: Tensor, q
     return None
 
 
-# the host copy of each device address table: what it holds now, and (on CUDA) the pinned sources of its copies,
-# kept as long as the table lives (a copy captured in a CUDA graph reads its source at every replay)
-# (per table object, by id with a weak reference: a table freed and another made with its id must not look filled;
-# an entry of a freed table goes with it)
+# per device address table: what it holds now, and (on CUDA) the pinned sources of the copies captured in a CUDA graph,
+# which a replay reads again, kept as long as the table lives (the source of an eager copy is the caching host
+# allocator's to keep until the copy is done). By id with a weak reference: a table freed and another made with its id
+# must not look filled; the entry of a freed table goes with it
 _held: dict[int, tuple[weakref.ref[Tensor], list[tuple[int, int]], list[Tensor]]] = {}
 
 
@@ -173,17 +173,16 @@ def _refresh_addresses(addresses: Tensor, wanted: list[tuple[int, int]]) -> None
         held = None
     if held is not None and held[1] == wanted:
         return
+    captured = [] if held is None else held[2]
     source = torch.tensor(wanted, dtype=torch.int64)
     if addresses.is_cuda:  # an asynchronous copy from pinned memory: no host wait, and capturable
         source = source.pin_memory()
-        capturing = torch.cuda.is_current_stream_capturing()
-        sources = ([*held[2]] if held is not None and capturing else []) + [source]
-    else:
-        sources = []
+        if torch.cuda.is_current_stream_capturing():
+            captured = [*captured, source]
     addresses.copy_(source, non_blocking=addresses.is_cuda)
     if held is None:
         weakref.finalize(addresses, _held.pop, id(addresses), None)
-    _held[id(addresses)] = (weakref.ref(addresses), wanted, sources)
+    _held[id(addresses)] = (weakref.ref(addresses), wanted, captured)
 
 
 def entry_geometry(grad_w: Tensor, grad_b: Tensor | None, groups: int, features: int, first_feature: int,
