@@ -29,6 +29,11 @@ from lightning_bnp.core.transform import q_squared
 
 __all__ = ["PreconditionerStep"]
 
+# why a step runs the pure-torch ops where the grouped kernels were chosen
+GROUPED_FAILED = (
+    "BNP's grouped GPU kernels could not run here, so these layers' steps take the pure-torch path (the same "
+    "result, more kernel launches); `reference_step=True` chooses that path without trying"
+)
 _MAX_PLANS = 16  # sets of layers stepped together whose plan is kept (the earliest built is dropped first)
 
 
@@ -164,6 +169,25 @@ class PreconditionerStep:
         self.warnings.warn(layer, "twice", TWICE)
         return True
 
+    def _grouped(self, plan: StepPlan, math: Callable[..., Any], args: tuple[Any, ...], q2_layers: Tensor | None,
+                 entry_w: list[Tensor], entry_b: list[Tensor | None]) -> Any:  # fmt: skip
+        """``math(*args)`` with the plan's grouped kernels for these gradients (q² per layer: ``q2_layers``, or the
+        pooled ones). Until they have run once, a failure to build or launch them (a Triton that cannot compile them
+        for this device) leaves the plan on the pure-torch step for good, with a warning; the step is then that one
+        (the kernels change nothing in place before they launch)."""
+        grouped = plan.grouped
+        assert grouped is not None
+        try:
+            result = math(*args, plan.grouped_kernels(args[1], entry_w, entry_b), q2_layers)
+        except Exception as error:
+            if grouped.proven:
+                raise
+            plan.grouped = None
+            self.warnings.warn_once("grouped kernels", f"{GROUPED_FAILED} ({type(error).__name__}: {error})")
+            return math(*args, None, None)
+        grouped.proven = True
+        return result
+
     def plan(self, layers: list[ManagedLayer], like: Tensor) -> StepPlan:
         """The plan of ``layers`` (statistics on ``like``'s device and dtype), built once."""
         key = (tuple(layer.name for layer in layers), like.device, like.dtype)
@@ -224,16 +248,17 @@ class PreconditionerStep:
             entry_b = [grads_b[i] if n == 1 else whole_bias_grad(ready[i][0]) for i, n in spans]
         config = plan.config(self.settings, one_row, spans, ready, entry_w)
         means, variances = [m.mean for m in moments], [m.var for m in moments]
-        kernels = q2_layers = None
-        # the grouped kernels' path (chosen with the plan; they take q² per layer). A compiled step keeps the torch
-        # ops, which inductor fuses into kernels of its own
-        if plan.grouped is not None and not self.compiled:
-            kernels = plan.grouped_kernels(config, entry_w, entry_b)
-            q2_layers = None if counts_on_device else layout.per_layer_values(host_q2s)
-        mu, var_t, after, finite, peak, q2_out = math(
-            layout, config, means, variances, running_mus, before, counts, fan_in, q2_flat, entry_q2s,
-            entry_w, entry_b, kernels, q2_layers,
+        args = (
+            layout, config, means, variances, running_mus, before, counts, fan_in, q2_flat, entry_q2s, entry_w, entry_b,
         )  # fmt: skip
+        # the grouped kernels' path (chosen with the plan). A compiled step keeps the torch ops, which inductor fuses
+        # into kernels of its own
+        if plan.grouped is not None and not self.compiled:
+            q2_layers = None if counts_on_device else layout.per_layer_values(host_q2s)
+            result = self._grouped(plan, math, args, q2_layers, entry_w, entry_b)
+        else:
+            result = math(*args, None, None)
+        mu, var_t, after, finite, peak, q2_out = result
         if counts_on_device:
             q2s = list(q2_out.unbind(0))
         # (a layer this rank never ran has had its own warning: a NaN there is not reported again; one that saw no

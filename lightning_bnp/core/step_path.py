@@ -88,6 +88,7 @@ class GroupedPath:
         self.sizes, self.centred, self.device = list(sizes), list(centred), device
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self._made: BoundedCache[tuple[Any, ...], GroupedKernels] = BoundedCache(16)
+        self.proven = False  # whether they have run (until then a failure falls back to the pure-torch step)
 
     def kernels(self, one_row: tuple[int, ...], spans: Sequence[tuple[int, int]], groups: Sequence[int],
                 sizes: Sequence[int], grads_w: Sequence[Tensor],

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_bnp.core import BNPPreconditioner, step_path
+from lightning_bnp.core import BNPPreconditioner, BNPWarning, step_path
 from lightning_bnp.core.statistics import Moments
 from lightning_bnp.core.step_plan import StepPlan
 from lightning_bnp.core.transform import precondition_scaled_
@@ -436,3 +436,44 @@ def test_reference_step_is_a_validated_keyword_kept_by_copies() -> None:
     assert "reference_step=True" in repr(pre) and "reference_step" not in repr(BNPPreconditioner(model))
     for copied in (copy.deepcopy(pre), pickle.loads(pickle.dumps(pre))):
         assert copied.reference_step and copied._step.reference_step
+
+
+@pytest.mark.usefixtures("triton_present")
+@pytest.mark.parametrize("proven", [False, True])
+def test_kernels_that_cannot_run_leave_the_plan_on_the_torch_step(
+    monkeypatch: pytest.MonkeyPatch, proven: bool
+) -> None:
+    """A plan whose grouped kernels fail at their first step (here the state kernel raises, as a Triton that cannot
+    compile for the device would) takes the pure-torch step from then on, that step included, and says so once;
+    once they have run, a failure is raised as it is."""
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(step_path, "KERNEL_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(step_path.GroupedKernels, "state", fails)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    pre, pre_ref = BNPPreconditioner(model), BNPPreconditioner(reference, reference_step=True)
+    x = torch.randn(6, 3)
+    for net in (model, reference):
+        net(x).sum().backward()
+    if proven:  # (as if they had run at an earlier step)
+        init = step_path.GroupedPath.__init__
+
+        def proven_init(self: step_path.GroupedPath, *args: Any) -> None:
+            init(self, *args)
+            self.proven = True
+
+        monkeypatch.setattr(step_path.GroupedPath, "__init__", proven_init)
+        with pytest.raises(RuntimeError, match="no kernel for this device"):
+            pre.step()
+        return
+    with pytest.warns(BNPWarning, match="grouped GPU kernels could not run here.*no kernel for this device"):
+        pre.step()
+    pre_ref.step()
+    assert [p.grouped for p in pre._step.plans.values()] == [None]
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert a.grad is not None and b.grad is not None
+        assert torch.equal(a.grad, b.grad)
