@@ -36,6 +36,11 @@ from lightning_bnp.core.transform import q_squared
 
 __all__ = ["PreconditionerStep"]
 
+# why a step runs the pure-torch ops where the grouped kernels were chosen
+GROUPED_FAILED = (
+    "BNP's grouped GPU kernels could not run here, so these layers' steps take the pure-torch path (the same "
+    "result, more kernel launches); `reference_step=True` chooses that path without trying"
+)
 _MAX_PLANS = 16  # sets of layers stepped together whose plan is kept (the earliest built is dropped first)
 
 
@@ -47,7 +52,10 @@ class PreconditionerStep:
         sync_statistics, process_group: pool the statistics over ranks (:mod:`~lightning_bnp.core.pooling`).
         decay_offset: κ of the running statistics' ``decay`` = ρ^t + κ.
         warnings: where the step's warnings go.
+        reference_step: the pure-torch transform for every plan, where the grouped kernel would run.
     """
+
+    reference_step = False  # (class default: a step pickled before the grouped kernel existed)
 
     def __init__(
         self,
@@ -61,7 +69,9 @@ class PreconditionerStep:
         process_group: Any,
         decay_offset: float,
         warnings: StepWarnings,
+        reference_step: bool = False,
     ) -> None:
+        self.reference_step = reference_step
         self.running = statistics == "running"
         self.settings = (self.running, bias_correction, rho, eps1, eps2)
         self.sync_statistics, self.process_group = sync_statistics, process_group
@@ -189,10 +199,32 @@ class PreconditionerStep:
         self.warnings.warn(layer, "twice", TWICE)
         return True
 
+    def _grouped(self, plan: StepPlan, math: Callable[..., Any], args: tuple[Any, ...], q2_layers: Tensor | None,
+                 entry_w: list[Tensor], entry_b: list[Tensor | None]) -> Any:  # fmt: skip
+        """``math(*args)`` with the plan's grouped kernels for these gradients (q² per layer: ``q2_layers``, or the
+        pooled ones). Until they have run once, a failure to build or launch them (a Triton that cannot compile them
+        for this device) leaves the plan on the pure-torch step for good, with a warning; the step is then that one
+        (the kernels change nothing in place before they launch)."""
+        grouped = plan.grouped
+        assert grouped is not None
+        try:
+            result = math(*args, plan.grouped_kernels(args[1], entry_w, entry_b), q2_layers)
+        except Exception as error:
+            if grouped.proven:
+                raise
+            plan.grouped = None
+            self.warnings.warn_once("grouped kernels", f"{GROUPED_FAILED} ({type(error).__name__}: {error})")
+            return math(*args, None, None)
+        grouped.proven = True
+        return result
+
     def plan(self, layers: list[ManagedLayer], like: Tensor) -> StepPlan:
         """The plan of ``layers`` (statistics on ``like``'s device and dtype), built once."""
         key = (tuple(layer.name for layer in layers), like.device, like.dtype)
-        return self.plans.get_or_make(key, lambda: StepPlan(layers, like.device, like.dtype, self.decay_offset))
+        return self.plans.get_or_make(
+            key,
+            lambda: StepPlan(layers, like.device, like.dtype, self.decay_offset, reference_step=self.reference_step),
+        )
 
     def transform(self, ready: list[Ready], pending: PendingUpdate, not_run_here: set[str]) -> None:
         """Steps 2–4 for every layer of ``ready`` at once (one device and dtype): the gathering here, the tensor
@@ -223,6 +255,7 @@ class PreconditionerStep:
         grads_b = [bias_grad(layer) for layer, _, _ in ready]
         counts = fan_in = q2_flat = None
         entry_q2s: list[Any] = []
+        host_q2s: list[Any] = []
         math = step_math  # with counts on the device the step runs eager
         if counts_on_device:
             spans = row_block_spans(plan.row_runs, ready, grads_b, None)
@@ -232,7 +265,7 @@ class PreconditionerStep:
                 q_squared(layer.fan_in, int(m.samples), int(m.out_positions) / int(m.samples)) for layer, m, _ in ready
             ]
             spans = row_block_spans(plan.row_runs, ready, grads_b, None if self.compiled else q2s)
-            q2_flat, math = layout.per_layer_cached(q2s), self.math
+            q2_flat, math, host_q2s = layout.per_layer_cached(q2s), self.math, q2s
             if self.compiled:  # tensors, so that a new q² is new data, not a recompilation
                 values = layout.per_layer_values(q2s)
                 q2s = list(values.unbind(0))
@@ -245,10 +278,17 @@ class PreconditionerStep:
             entry_b = [grads_b[i] if n == 1 else whole_bias_grad(ready[i][0]) for i, n in spans]
         config = plan.config(self.settings, one_row, spans, ready, entry_w)
         means, variances = [m.mean for m in moments], [m.var for m in moments]
-        mu, var_t, after, finite, peak, q2_out = math(
-            layout, config, means, variances, running_mus, before, counts, fan_in, q2_flat, entry_q2s,
-            entry_w, entry_b,
+        args = (
+            layout, config, means, variances, running_mus, before, counts, fan_in, q2_flat, entry_q2s, entry_w, entry_b,
         )  # fmt: skip
+        # the grouped kernels' path (chosen with the plan). A compiled step keeps the torch ops, which inductor fuses
+        # into kernels of its own
+        if plan.grouped is not None and not self.compiled:
+            q2_layers = None if counts_on_device else layout.per_layer_values(host_q2s)
+            result = self._grouped(plan, math, args, q2_layers, entry_w, entry_b)
+        else:
+            result = math(*args, None, None)
+        mu, var_t, after, finite, peak, q2_out = result
         if counts_on_device:
             q2s = list(q2_out.unbind(0))
         # (a layer this rank never ran has had its own warning: a NaN there is not reported again; one that saw no

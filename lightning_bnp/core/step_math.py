@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.statistics import ema_update
+from lightning_bnp.core.step_path import GroupedKernels
 from lightning_bnp.core.transform import precondition_scaled_, var_tilde
 
 __all__ = ["StepConfig", "step_math"]
@@ -55,6 +56,8 @@ def step_math(
     q2s: list[Any],
     grads_w: list[Tensor],
     grads_b: list[Tensor | None],
+    kernels: GroupedKernels | None,
+    q2_layers: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The tensor work of one step for a group of layers (Alg. 2/3 steps 1–5), without a single read back to
     the host, and traceable whole by ``torch.compile(fullgraph=True)``.
@@ -66,6 +69,9 @@ def step_math(
     here, and a layer that no rank ran keeps its state and gets M = I); else ``q2_flat`` and ``q2s`` are given.
     ``grads_w``, ``grads_b`` and ``q2s`` are per entry of the transform (``config.spans``): one per layer, or
     one for the n row blocks of one weight (the whole gradient and bias gradient, q² one float or (n, 1)).
+    ``kernels``: the plan's grouped kernels (:mod:`~lightning_bnp.core.step_path`): the running state of every
+    layer in one launch where the counts are the host's, and every entry's transform in one more where the transform
+    kernel takes them, with q² per layer (``q2_layers``, or the pooled ones); the pure-torch ops elsewhere.
 
     Returns:
         (μ, σ̃², state after, per layer whether its moments were finite (it counts as a step), per-layer max σ²_H
@@ -74,6 +80,16 @@ def step_math(
     """
     # [μ_H ; σ²_H ; κ] of every layer (κ: the batch value of d = ρ^t + κ, so that d − κ ← ρ·(d − κ) in the same update)
     batch = torch.cat(means + variances + ([layout.decay_target] if config.running else []))
+    if kernels is not None and counts is None:  # steps 2–3 of every layer in one launch
+        assert q2_flat is not None
+        mu, var_t, scale, after, finite, peak = kernels.state(
+            batch, before, q2_flat, config.running, config.bias_correction, config.rho, config.eps1, config.eps2,
+            layout.ceiling,
+        )  # fmt: skip
+        if not config.running:
+            after = finite = peak
+        _transform(config, kernels, mu, scale, q2s, q2_layers, grads_w, grads_b)
+        return mu, var_t, after, finite, peak, peak
     mu_h, var_h = batch.split_with_sizes(layout.state_sizes if config.running else layout.state_sizes[:2])[:2]
     for i, running_mu in zip(config.one_row, running_mus):  # N = 1: σ²_H = (h − μ)², μ before the update
         part = layout.slice(i)
@@ -122,7 +138,26 @@ def step_math(
         # no rank ran it (or it saw no row, e.g. an embedding fed only padding): nothing was not finite
         peak = torch.where(counts[:, 0] > 0, peak, 0.0)
     assert q2_flat is not None
-    mus = [m if grad_b is not None else None for m, grad_b in zip(mu.split_with_sizes(config.sizes), grads_b)]
-    scales = (var_t * q2_flat).split_with_sizes(config.sizes)  # q²σ̃², all layers in one product
-    precondition_scaled_(grads_w, grads_b, mus, scales, q2s, config.groups, config.shapes, config.shares or None)
+    scale = var_t * q2_flat  # q²σ̃², all layers in one product
+    _transform(config, kernels, mu, scale, q2s, q2_out if counts is not None else q2_layers, grads_w, grads_b)
     return mu, var_t, after, finite, peak, q2_out
+
+
+def _transform(config: StepConfig, kernels: GroupedKernels | None, mu: Tensor, scale: Tensor, q2s: list[Any],
+               q2_layers: Tensor | None, grads_w: list[Tensor], grads_b: list[Tensor | None]) -> None:  # fmt: skip
+    """Steps 4–5 for every entry: one launch of the grouped kernel where the plan has one for these entries (it
+    takes q² per layer, ``q2_layers``), else the pure-torch transform (``q2s`` per entry)."""
+    if kernels is not None and kernels.transform is not None:  # (an entry without a bias gradient is only divided)
+        kernels.transform(grads_w, grads_b, mu, scale, q2_layers)
+        return
+    mus = [m if grad_b is not None else None for m, grad_b in zip(mu.split_with_sizes(config.sizes), grads_b)]
+    precondition_scaled_(
+        grads_w,
+        grads_b,
+        mus,
+        scale.split_with_sizes(config.sizes),
+        q2s,
+        config.groups,
+        config.shapes,
+        config.shares or None,
+    )

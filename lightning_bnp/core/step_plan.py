@@ -19,6 +19,7 @@ from lightning_bnp.core.layers import ManagedLayer
 from lightning_bnp.core.layout import FeatureLayout
 from lightning_bnp.core.statistics import Moments, RunningStatistics, count_on_device
 from lightning_bnp.core.step_math import StepConfig
+from lightning_bnp.core.step_path import GroupedKernels, GroupedPath, uses_grouped_kernels
 from lightning_bnp.core.transform import broadcast_shapes
 
 __all__ = ["StepPlan", "column_block_runs", "row_block_runs", "row_block_spans"]
@@ -47,9 +48,12 @@ class StepPlan:
         device: where their statistics live.
         dtype: the statistics' dtype.
         decay_offset: κ of the running statistics' ``decay`` = ρ^t + κ.
+        reference_step: keep the pure-torch transform where the grouped kernel would run (:mod:`~lightning_bnp.core.
+            step_path`).
     """
 
-    def __init__(self, layers: list[ManagedLayer], device: torch.device, dtype: torch.dtype, decay_offset: float):
+    def __init__(self, layers: list[ManagedLayer], device: torch.device, dtype: torch.dtype, decay_offset: float,
+                 *, reference_step: bool = False) -> None:  # fmt: skip
         # the column blocks of one linear layer (LayerKind.column_block): one floor, and their biases share G_b/q²
         self.column_runs = column_block_runs(layers)
         self.layout = FeatureLayout(
@@ -77,6 +81,10 @@ class StepPlan:
         self.views: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
         # where a step captured in a CUDA graph keeps its per-layer max σ²_H for the warnings (StepWarnings.owe)
         self.alarm = torch.zeros(len(layers), dtype=dtype, device=device)
+        # the step's path, chosen once: the grouped kernels (their tables per configuration) or None (pure torch);
+        # column blocks (one floor over the run, biases sharing G_b) are not the kernels' layout: pure torch
+        grouped = uses_grouped_kernels(device, dtype, reference_step=reference_step) and not self.column_runs
+        self.grouped = GroupedPath(self.layout.sizes, [layer.has_bias for layer in layers], device) if grouped else None
 
     def config(self, settings: tuple[bool, bool, float, float, float], one_row: tuple[int, ...], spans: Any,
                ready: list[Ready], entry_w: list[Tensor]) -> StepConfig:  # fmt: skip
@@ -92,6 +100,14 @@ class StepPlan:
                 *settings, one_row, spans, sizes, groups, shapes, shares
             )
         return config
+
+    def grouped_kernels(
+        self, config: StepConfig, entry_w: list[Tensor], entry_b: list[Tensor | None]
+    ) -> GroupedKernels | None:
+        """The grouped kernels of ``config`` and these gradients (``None``: the plan takes the pure-torch path)."""
+        if self.grouped is None:
+            return None
+        return self.grouped.kernels(config.one_row, config.spans, config.groups, config.sizes, entry_w, entry_b)
 
     def state_before(self, runnings: list[RunningStatistics], like: Tensor) -> tuple[Tensor, Tensor]:
         """The committed ``[m ; v ; d]`` of every layer and their step counts, as flat vectors: the plan's buffers
