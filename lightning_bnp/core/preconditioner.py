@@ -153,10 +153,11 @@ class BNPPreconditioner(ArgumentsRepr):
         embeddings: also manage every ``nn.Embedding`` (the ``"Embedding"`` layer kind, which naming it in
             ``layer_types`` selects as well): a bias-free Linear on one-hot inputs, σ² each token's frequency,
             q² = max(V/N, 1) (README "Embeddings"). Off by default.
-        reference_step: transform the gradients with the pure-torch step even where the grouped GPU kernel would
-            run (float32 statistics on a CUDA device with Triton importable: every layer's transform in one launch,
-            docs "Cost"). The pure-torch step is the CPU path and the reference the kernel is tested against; this
-            option is for comparing and debugging. Off by default.
+        grouped_kernels: step with the grouped Triton kernels where they can run (float32 statistics on a CUDA
+            device with Triton importable): every layer's running state in one launch and every layer's transform in
+            one more, instead of a few kernels per layer (docs "Cost"). Off by default: the kernels are tested against
+            the pure-torch step under Triton's CPU interpreter, but not yet measured on a GPU. The pure-torch step is
+            the CPU path and the reference.
 
     Raises:
         TypeError: an argument of the wrong type (e.g. ``rho="0.9"``, ``sync_statistics="false"``).
@@ -193,7 +194,7 @@ class BNPPreconditioner(ArgumentsRepr):
         process_group: Any = None,
         conv_statistics: ConvStatistics = "channel",
         embeddings: bool = False,
-        reference_step: bool = False,
+        grouped_kernels: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
@@ -202,8 +203,8 @@ class BNPPreconditioner(ArgumentsRepr):
             exclude=exclude, sync_statistics=sync_statistics, conv_statistics=conv_statistics, embeddings=embeddings,
         )  # fmt: skip
         self.layer_types, self.include, self.exclude = checked
-        check_bool("reference_step", reference_step)
-        self.reference_step = reference_step
+        check_bool("grouped_kernels", grouped_kernels)
+        self.grouped_kernels = grouped_kernels
         self.rho, self.eps1, self.eps2, self.statistics = rho, eps1, eps2, statistics
         self.bias_correction, self.conv_statistics, self.embeddings = bias_correction, conv_statistics, embeddings
         self.sync_statistics, self.process_group = sync_statistics, process_group
@@ -228,14 +229,14 @@ class BNPPreconditioner(ArgumentsRepr):
             rho=self.rho, eps1=self.eps1, eps2=self.eps2, statistics=self.statistics,
             bias_correction=self.bias_correction, sync_statistics=self.sync_statistics,
             process_group=self.process_group, decay_offset=self._decay_offset, warnings=self._warnings,
-            reference_step=self.reference_step,
+            grouped_kernels=self.grouped_kernels,
         )  # fmt: skip
 
     _repr_skip = ("model",)
-    _repr_if_set = ("conv_statistics", "embeddings", "reference_step")
+    _repr_if_set = ("conv_statistics", "embeddings", "grouped_kernels")
     # class defaults for an object pickled before these existed (its running ρ^t has no offset)
     embeddings = False
-    reference_step = False
+    grouped_kernels = False
     _decay_offset = 0.0
     _late: LateLayers | None = None  # (pickled before late layers were looked for: not looked for)
 

@@ -39,7 +39,7 @@ __all__ = ["PreconditionerStep"]
 # why a step runs the pure-torch ops where the grouped kernels were chosen
 GROUPED_FAILED = (
     "BNP's grouped GPU kernels could not run here, so these layers' steps take the pure-torch path (the same "
-    "result, more kernel launches); `reference_step=True` chooses that path without trying"
+    "result, more kernel launches); without `grouped_kernels=True` it is taken without trying"
 )
 _MAX_PLANS = 16  # sets of layers stepped together whose plan is kept (the earliest built is dropped first)
 
@@ -52,10 +52,10 @@ class PreconditionerStep:
         sync_statistics, process_group: pool the statistics over ranks (:mod:`~lightning_bnp.core.pooling`).
         decay_offset: κ of the running statistics' ``decay`` = ρ^t + κ.
         warnings: where the step's warnings go.
-        reference_step: the pure-torch transform for every plan, where the grouped kernel would run.
+        grouped_kernels: let plans on a CUDA device take the grouped kernels (:mod:`~lightning_bnp.core.step_path`).
     """
 
-    reference_step = False  # (class default: a step pickled before the grouped kernel existed)
+    grouped_kernels = False  # (class default: a step pickled before the grouped kernel existed)
 
     def __init__(
         self,
@@ -69,9 +69,9 @@ class PreconditionerStep:
         process_group: Any,
         decay_offset: float,
         warnings: StepWarnings,
-        reference_step: bool = False,
+        grouped_kernels: bool = False,
     ) -> None:
-        self.reference_step = reference_step
+        self.grouped_kernels = grouped_kernels
         self.running = statistics == "running"
         self.settings = (self.running, bias_correction, rho, eps1, eps2)
         self.sync_statistics, self.process_group = sync_statistics, process_group
@@ -223,7 +223,7 @@ class PreconditionerStep:
         key = (tuple(layer.name for layer in layers), like.device, like.dtype)
         return self.plans.get_or_make(
             key,
-            lambda: StepPlan(layers, like.device, like.dtype, self.decay_offset, reference_step=self.reference_step),
+            lambda: StepPlan(layers, like.device, like.dtype, self.decay_offset, grouped_kernels=self.grouped_kernels),
         )
 
     def transform(self, ready: list[Ready], pending: PendingUpdate, not_run_here: set[str]) -> None:

@@ -3,7 +3,8 @@ are float32 on a CUDA device and Triton is importable — the running state of e
 (:func:`~lightning_bnp.core.triton_statistics.state_update`) and the transform of every entry in one more
 (:mod:`~lightning_bnp.core.triton_transform`) — else the pure-torch step (:mod:`~lightning_bnp.core.step_math`,
 :mod:`~lightning_bnp.core.transform`), which is the CPU path and the reference the kernels are tested against.
-``BNPPreconditioner(reference_step=True)`` keeps every plan on the pure-torch path (to compare, or to debug).
+The grouped path is opt-in (``BNPPreconditioner(grouped_kernels=True)``) until it has been measured and checked on a
+GPU; every plan takes the pure-torch path otherwise.
 
 On the grouped path, a step whose counts are device tensors (statistics pooled over ranks, token masks) updates the
 state with the pure-torch ops, and a configuration whose entries the transform kernel does not take (gradients of
@@ -43,10 +44,10 @@ def triton_importable() -> bool:
     return True
 
 
-def uses_grouped_kernels(device: torch.device, dtype: torch.dtype, *, reference_step: bool) -> bool:
+def uses_grouped_kernels(device: torch.device, dtype: torch.dtype, *, requested: bool) -> bool:
     """Whether a plan whose statistics live on ``device`` in ``dtype`` takes the grouped kernels: float32 statistics
-    on a CUDA device with Triton importable, unless ``reference_step`` asks for the pure-torch step."""
-    return not reference_step and dtype == torch.float32 and device.type in KERNEL_DEVICES and triton_importable()
+    on a CUDA device with Triton importable, where they are ``requested`` (else the pure-torch step)."""
+    return requested and dtype == torch.float32 and device.type in KERNEL_DEVICES and triton_importable()
 
 
 @dataclass(frozen=True)

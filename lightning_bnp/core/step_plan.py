@@ -48,12 +48,12 @@ class StepPlan:
         device: where their statistics live.
         dtype: the statistics' dtype.
         decay_offset: κ of the running statistics' ``decay`` = ρ^t + κ.
-        reference_step: keep the pure-torch transform where the grouped kernel would run (:mod:`~lightning_bnp.core.
-            step_path`).
+        grouped_kernels: take the grouped kernels where the plan's device has them (:mod:`~lightning_bnp.core.
+            step_path`); else the pure-torch step.
     """
 
     def __init__(self, layers: list[ManagedLayer], device: torch.device, dtype: torch.dtype, decay_offset: float,
-                 *, reference_step: bool = False) -> None:  # fmt: skip
+                 *, grouped_kernels: bool = False) -> None:  # fmt: skip
         # the column blocks of one linear layer (LayerKind.column_block): one floor, and their biases share G_b/q²
         self.column_runs = column_block_runs(layers)
         self.layout = FeatureLayout(
@@ -83,7 +83,7 @@ class StepPlan:
         self.alarm = torch.zeros(len(layers), dtype=dtype, device=device)
         # the step's path, chosen once: the grouped kernels (their tables per configuration) or None (pure torch);
         # column blocks (one floor over the run, biases sharing G_b) are not the kernels' layout: pure torch
-        grouped = uses_grouped_kernels(device, dtype, reference_step=reference_step) and not self.column_runs
+        grouped = uses_grouped_kernels(device, dtype, requested=grouped_kernels) and not self.column_runs
         self.grouped = GroupedPath(self.layout.sizes, [layer.has_bias for layer in layers], device) if grouped else None
 
     def config(self, settings: tuple[bool, bool, float, float, float], one_row: tuple[int, ...], spans: Any,

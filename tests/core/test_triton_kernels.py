@@ -1,6 +1,7 @@
-"""BNP's grouped Triton kernels (issue 43): the transform of every entry in one launch, the per-feature statistics and
-the running-state update, against independent references — the explicit (1/q²)·P·Pᵀ in float64, float64 moments, and
-the pure-torch step (``reference_step=True``) — under Triton's CPU interpreter, in one subprocess for every case
+"""BNP's grouped Triton kernels: the transform of every entry in one launch, the per-feature statistics and the
+running-state update, against independent references — the explicit (1/q²)·P·Pᵀ in float64, float64 moments, and the
+pure-torch step (the default, without ``grouped_kernels=True``) — under Triton's CPU interpreter, in one subprocess for
+every case
 (``tests/core/triton_interpreted.py``: the interpreter must be on before the kernels are defined). The choice of path
 is tested here, in process; the tests that launch the kernels on a GPU are ``test_triton_kernels_cuda.py``.
 """
@@ -332,7 +333,7 @@ def test_feature_moments_pass_the_mean_dominated_check_of_the_torch_statistics(i
 # ----------------------------------------------------------------------------------- whole steps, both paths
 @pytest.mark.parametrize("index", range(len(STEP_CASES)), ids=[f"{n}-{sorted(o)}" for n, o, _ in STEP_CASES])
 def test_a_grouped_step_is_the_pure_torch_step(interpreted: dict[str, Any], index: int) -> None:
-    """BNPPreconditioner steps with the grouped kernels against ``reference_step=True`` (the pure-torch step), from
+    """BNPPreconditioner steps with the grouped kernels against the default pure-torch step, from
     one seed: every transformed gradient, running state (m, v, ρ^t + κ, t) and (μ, σ̃²) to float32 round-off (the
     gradient's for half models), the same warnings; the grouped kernels ran (the state kernel's and the transform's,
     or the torch state ops where the counts are on the device: a token mask)."""
@@ -389,53 +390,65 @@ def triton_present(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("triton_present")
 @pytest.mark.parametrize(
-    ("device", "dtype", "reference_step", "grouped"),
+    ("device", "dtype", "requested", "grouped"),
     [
-        ("cuda", torch.float32, False, True),
-        ("cuda", torch.float32, True, False),  # forced onto the reference
-        ("cuda", torch.float64, False, False),  # float64 statistics stay on the torch path
-        ("cpu", torch.float32, False, False),  # the CPU path is the torch step
-        ("meta", torch.float32, False, False),
+        ("cuda", torch.float32, True, True),
+        ("cuda", torch.float32, False, False),  # not asked for: the reference (the default)
+        ("cuda", torch.float64, True, False),  # float64 statistics stay on the torch path
+        ("cpu", torch.float32, True, False),  # the CPU path is the torch step
+        ("meta", torch.float32, True, False),
     ],
 )
-def test_which_plan_takes_the_grouped_kernels(device: str, dtype: torch.dtype, reference_step: bool,
+def test_which_plan_takes_the_grouped_kernels(device: str, dtype: torch.dtype, requested: bool,
                                               grouped: bool) -> None:  # fmt: skip
-    assert step_path.uses_grouped_kernels(torch.device(device), dtype, reference_step=reference_step) is grouped
+    assert step_path.uses_grouped_kernels(torch.device(device), dtype, requested=requested) is grouped
 
 
 def test_without_triton_every_plan_takes_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(step_path, "triton_importable", lambda: False)
-    assert not step_path.uses_grouped_kernels(torch.device("cuda"), torch.float32, reference_step=False)
+    assert not step_path.uses_grouped_kernels(torch.device("cuda"), torch.float32, requested=True)
 
 
 @pytest.mark.usefixtures("triton_present")
 def test_the_path_is_chosen_once_per_plan_from_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan on a kernel device (here ``meta`` counted as one, in place of CUDA) holds the grouped path's tables;
-    one with ``reference_step``, or on the CPU, holds none; a CPU preconditioner's plans take the torch path."""
+    one without ``grouped_kernels``, or on the CPU, holds none; a CPU preconditioner's plans take the torch path."""
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2, bias=False))
     pre = BNPPreconditioner(model)
     layers = list(pre.layers.values())
     monkeypatch.setattr(step_path, "KERNEL_DEVICES", {"cuda", "meta"})
     meta = torch.device("meta")
-    plan = StepPlan(layers, meta, torch.float32, 0.0)
+    plan = StepPlan(layers, meta, torch.float32, 0.0, grouped_kernels=True)
     assert plan.grouped is not None and plan.grouped.offsets == [0, 3] and plan.grouped.centred == [True, False]
-    assert StepPlan(layers, meta, torch.float32, 0.0, reference_step=True).grouped is None
-    assert StepPlan(layers, torch.device("cpu"), torch.float32, 0.0).grouped is None
+    assert StepPlan(layers, meta, torch.float32, 0.0).grouped is None
+    assert StepPlan(layers, torch.device("cpu"), torch.float32, 0.0, grouped_kernels=True).grouped is None
     model(torch.randn(5, 3)).sum().backward()
     pre.step()
     assert [p.grouped for p in pre._step.plans.values()] == [None]
 
 
-def test_reference_step_is_a_validated_keyword_kept_by_copies() -> None:
+@pytest.mark.usefixtures("triton_present")
+def test_recurrent_layers_take_the_torch_step_where_kernels_are_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two weight blocks of a recurrent layer share one floor and one bias gradient, which the kernels do not
+    know: a plan holding them takes the pure-torch path, as a plan of Linears alone on the same device does not."""
+    monkeypatch.setattr(step_path, "KERNEL_DEVICES", {"cuda", "meta"})
+    meta = torch.device("meta")
+    layers = list(BNPPreconditioner(nn.LSTM(3, 4)).layers.values())
+    assert len(layers) == 2 and StepPlan(layers, meta, torch.float32, 0.0, grouped_kernels=True).grouped is None
+    linears = list(BNPPreconditioner(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))).layers.values())
+    assert StepPlan(linears, meta, torch.float32, 0.0, grouped_kernels=True).grouped is not None
+
+
+def test_grouped_kernels_is_a_validated_keyword_kept_by_copies() -> None:
     model = nn.Sequential(nn.Linear(3, 2))
-    with pytest.raises(TypeError, match="reference_step"):
-        BNPPreconditioner(model, reference_step="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="grouped_kernels"):
+        BNPPreconditioner(model, grouped_kernels="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         BNPPreconditioner(model, True)  # type: ignore[misc]  # keyword-only
-    pre = BNPPreconditioner(copy.deepcopy(model), reference_step=True)
-    assert "reference_step=True" in repr(pre) and "reference_step" not in repr(BNPPreconditioner(model))
+    pre = BNPPreconditioner(copy.deepcopy(model), grouped_kernels=True)
+    assert "grouped_kernels=True" in repr(pre) and "grouped_kernels" not in repr(BNPPreconditioner(model))
     for copied in (copy.deepcopy(pre), pickle.loads(pickle.dumps(pre))):
-        assert copied.reference_step and copied._step.reference_step
+        assert copied.grouped_kernels and copied._step.grouped_kernels
 
 
 @pytest.mark.usefixtures("triton_present")
@@ -455,7 +468,7 @@ def test_kernels_that_cannot_run_leave_the_plan_on_the_torch_step(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     reference = copy.deepcopy(model)
-    pre, pre_ref = BNPPreconditioner(model), BNPPreconditioner(reference, reference_step=True)
+    pre, pre_ref = BNPPreconditioner(model, grouped_kernels=True), BNPPreconditioner(reference)
     x = torch.randn(6, 3)
     for net in (model, reference):
         net(x).sum().backward()

@@ -27,7 +27,7 @@ def _fc(device: str) -> nn.Module:
 def test_on_cuda_the_grouped_step_is_the_pure_torch_step(dtype: torch.dtype) -> None:
     model = _fc("cuda").to(dtype)
     ref = copy.deepcopy(model)
-    pre, pre_ref = BNPPreconditioner(model), BNPPreconditioner(ref, reference_step=True)
+    pre, pre_ref = BNPPreconditioner(model, grouped_kernels=True), BNPPreconditioner(ref)
     for _ in range(3):
         x = torch.randn(60, 784, device="cuda", dtype=dtype)
         for net, p in ((model, pre), (ref, pre_ref)):
@@ -46,7 +46,7 @@ def test_on_cuda_a_graphed_grouped_step_replays_the_eager_steps() -> None:
 
     model = _fc("cuda")
     ref = copy.deepcopy(model)
-    pre, pre_ref = BNPPreconditioner(model), BNPPreconditioner(ref, reference_step=True)
+    pre, pre_ref = BNPPreconditioner(model, grouped_kernels=True), BNPPreconditioner(ref)
     opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
     step = GraphedTrainingStep(lambda x, y: nn.functional.cross_entropy(model(x), y), opt, pre, warmup_steps=2)
     for _ in range(6):
@@ -88,12 +88,13 @@ def test_on_cuda_the_kernels_compile_and_are_captured() -> None:
 
 
 def test_on_cuda_the_grouped_step_adds_few_kernel_launches() -> None:
-    """Issue 43's count: the step of the FC 784-100×3 launches the concatenation of the moments, the state kernel,
-    the transform kernel, the host copy of the warnings' maxima and the commit's copy and add — not a few per layer."""
+    """The grouped path's count (at most 8): the step of the FC 784-100×3 launches the concatenation of the moments,
+    the state kernel, the transform kernel, the host copy of the warnings' maxima and the commit's copy and add — not
+    a few per layer."""
     from torch.profiler import ProfilerActivity, profile
 
     model = _fc("cuda")
-    pre = BNPPreconditioner(model)
+    pre = BNPPreconditioner(model, grouped_kernels=True)
     for _ in range(3):  # plans and tables built
         model.zero_grad()
         model(torch.randn(60, 784, device="cuda")).sum().backward()

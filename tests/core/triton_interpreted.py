@@ -8,9 +8,9 @@ result per case. A case is
   saved); the result is the gradients after it;
 - ``("moments", x, channel_dim)``: :func:`triton_statistics.feature_moments`; the result is (mean, var);
 - ``("steps", name, options, steps)``: the model ``name`` of :data:`MODELS` trained for ``steps`` steps twice from
-  one seed, with the grouped kernels and with ``reference_step=True``; the result is, per path and step, the
-  gradients before and after the step, the running state and the per-layer (μ, σ̃², q²) of the step, and the
-  warnings raised;
+  one seed, with the grouped kernels (``grouped_kernels=True``) and with the default pure-torch step; the result is,
+  per path and step, the gradients before and after the step, the running state and the per-layer (μ, σ̃², q²) of
+  the step, and the warnings raised;
 - ``("compiled transform", arguments)``: the transform inside ``torch.compile(fullgraph=True, backend="aot_eager")``.
 """
 
@@ -104,7 +104,7 @@ def _steps(name: str, options: dict[str, Any], steps: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for path, reference in (("grouped", False), ("reference", True)):
         net = copy.deepcopy(model)
-        pre = BNPPreconditioner(net, reference_step=reference, **options)
+        pre = BNPPreconditioner(net, grouped_kernels=not reference, **options)
         record: list[dict[str, Any]] = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
