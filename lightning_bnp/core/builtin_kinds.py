@@ -3,8 +3,9 @@
 
 ``nn.Linear``, ``nn.Conv{1,2,3}d``, GPT-2's ``transformers.Conv1D`` and ``nn.Embedding`` (:mod:`~lightning_bnp.core.
 kinds`); the q, k, v projections and ``out_proj`` of ``nn.MultiheadAttention`` and torchvision's Swin attention's
-``qkv`` and ``proj``, used through ``F.linear`` (:mod:`~lightning_bnp.core.attention`). Registered here, above both
-modules, so that neither imports the other's kinds.
+``qkv`` and ``proj``, used through ``F.linear`` (:mod:`~lightning_bnp.core.attention`); ``nn.ConvTranspose{1,2,3}d``,
+each in the family of the convolution of its dimension (:mod:`~lightning_bnp.core.transposed_conv`). Registered here,
+above those modules, so that none imports another's kinds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lightning_bnp.core.kinds import (
     TransformersConv1DKind,
     register_built_in_kinds,
 )
+from lightning_bnp.core.transposed_conv import ConvTransposeNdKind
 
 __all__: list[str] = []
 
@@ -36,4 +38,5 @@ register_built_in_kinds(
     MHAOutProjKind(nn.MultiheadAttention, "out_proj", name="MultiheadAttention.out_proj"),
     FunctionalLinearKind(_SWIN, "qkv", name="torchvision.ShiftedWindowAttention.qkv"),
     FunctionalLinearKind(_SWIN, "proj", name="torchvision.ShiftedWindowAttention.proj"),
+    *(ConvTransposeNdKind(f"ConvTranspose{d}d", getattr(nn, f"ConvTranspose{d}d"), f"Conv{d}d") for d in (1, 2, 3)),
 )
