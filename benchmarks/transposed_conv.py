@@ -72,8 +72,10 @@ def explicit_h(conv: nn.ConvTranspose2d, x: Tensor) -> Tensor:
     for c in range(x.shape[1]):
         for tap in itertools.product(*(range(k) for k in conv.kernel_size)):
             w = torch.zeros(x.shape[1], 1, *conv.kernel_size, dtype=x.dtype)
-            w[(c, 0, *tap)] = 1.0
-            out = F.conv_transpose2d(x, w, None, conv.stride, conv.padding, conv.output_padding, 1, conv.dilation)
+            index = (c, 0, *tap)
+            w[index] = 1.0
+            padding = tuple(conv.padding)  # (ints: a transposed convolution has no "same" padding)
+            out = F.conv_transpose2d(x, w, None, conv.stride, padding, conv.output_padding, 1, conv.dilation)  # type: ignore[arg-type]
             columns.append(out[:, 0].reshape(-1))
     return torch.stack(columns, 1)
 
@@ -174,7 +176,8 @@ def q2_of_input_positions() -> Iterator[None]:
             m = moments(layer, h, output)
             if m.is_empty():
                 return m
-            per_sample = math.prod(h.shape[2:]) if h.dim() == len(layer.kernel_size) + 2 else math.prod(h.shape[1:])
+            batched = h.dim() == len(layer.kernel_size) + 2  # type: ignore[arg-type]
+            per_sample = math.prod(h.shape[2:]) if batched else math.prod(h.shape[1:])
             return Moments(m.rows, m.samples, int(m.samples) * per_sample, m.mean, m.var)
 
         return wrapped
@@ -189,7 +192,7 @@ def q2_of_input_positions() -> Iterator[None]:
     finally:
         tc.transposed_column_moments = column
         for kind in kinds:
-            kind.moments = transposed_channel_moments  # type: ignore[method-assign]
+            kind.moments = transposed_channel_moments  # type: ignore[method-assign,assignment]
 
 
 def autoencoder() -> nn.Sequential:
