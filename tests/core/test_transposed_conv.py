@@ -416,3 +416,27 @@ def test_grouped_warning_is_silenced_by_exclude() -> None:
         pre = BNPPreconditioner(model, exclude="0")
     assert list(pre.layers) == ["1"]
     assert pre.skipped["0.weight"].startswith("left alone: a transposed convolution with groups=4")
+
+
+@pytest.mark.parametrize("columns", ["channel", "column"])
+def test_compiled_forward_traces_the_hook_without_a_graph_break(columns: str) -> None:
+    """``torch.compile(model, fullgraph=True)`` (aot_eager): both forms trace into the graph; steps as eager."""
+    torch._dynamo.reset()
+    grads = []
+    for backend in (None, "aot_eager"):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.ConvTranspose2d(2, 3, 4, stride=2, padding=1), nn.ReLU(), nn.Flatten(2), nn.ConvTranspose1d(3, 2, 3)
+        )
+        pre = BNPPreconditioner(model, conv_statistics=columns)  # type: ignore[arg-type]
+        forward = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+        for seed in range(3):
+            x = torch.randn(3, 2, 4, 5, generator=torch.Generator().manual_seed(seed)) + 1
+            model.zero_grad()
+            forward(x).square().sum().backward()
+            pre.step()
+        grads.append([p.grad.clone() for p in model.parameters()] + [pre.layers["3"].running.var_acc])
+        pre.detach()
+    torch._dynamo.reset()
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
