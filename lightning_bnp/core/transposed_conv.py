@@ -35,10 +35,14 @@ The input's own μ_x, σ²_x — what a convolution records, and what BatchNorm 
 1/ρ times the columns' mean (4× at stride 2 in 2-D).
 
 q² = max(c_in·∏k/N, √L_out) with L_out the output positions per sample: Alg. 3's q² for the matrix H above, whose
-rows are the output positions (docs "Transposed convolutions" measures the alternative √L_in). A grouped transposed
-convolution (``groups > 1``) stores its weight (c_in, c_out/groups, *k): its (c_out, c_in/groups, *k) rows are no
-strided view of it, and BNP transforms its gradient in place, so such a layer is left alone and named with the reason
-(:meth:`ConvTransposeNdKind.reparametrized`). ``nn.ConvTranspose*d`` pads with zeros only.
+rows are the output positions (docs "Transposed convolutions" measures the alternative √L_in).
+
+Groups: output channel o of group γ sees the input channels of group γ only, so its row of the weight matrix is
+(c_out, c_in/groups·∏k) and P is that of its group's columns, as for a grouped convolution. The weight is stored
+(c_in, c_out/groups, *k); when each group has one input channel (depthwise, c_in = groups: e.g. the fixed bilinear
+upsampling of FCN-style decoders) the rows (c_out, 1, *k) are a plain view of it. With more input channels per group
+they are no strided view of it, and BNP transforms the gradient in place, so such a layer is left alone and named with
+the reason (:meth:`ConvTransposeNdKind.reparametrized`). ``nn.ConvTranspose*d`` pads with zeros only.
 """
 
 from __future__ import annotations
@@ -158,7 +162,7 @@ class ConvTransposeNdKind(LayerKind):
     Per-channel statistics scaled by ρ = L_in/L_out (``conv_statistics="channel"``, exact without padding) or exact
     per column (c, κ) (``"column"``). Its weight (c_in, c_out, *k) is read as the rows (c_out, c_in, *k). Selected by
     its own name and by its family: ``"Conv2d"`` in ``layer_types`` (the default) also selects ``ConvTranspose2d``.
-    ``groups > 1`` is left alone, named with the reason."""
+    ``groups > 1`` with more than one input channel per group is left alone, named with the reason."""
 
     dense = False
     options = ("conv_statistics",)
@@ -178,20 +182,28 @@ class ConvTransposeNdKind(LayerKind):
         return ConvTransposeNdKind(self.name, self.module_type, self.family, columns=columns)  # type: ignore[arg-type]
 
     def reparametrized(self, module: nn.Module) -> str | None:
-        """Also why a grouped transposed convolution is left alone: no in-place view of its rows."""
-        groups = int(module.groups)  # type: ignore[arg-type]
-        if groups > 1:
+        """Also why a grouped transposed convolution with several input channels per group is left alone: no
+        in-place view of its rows."""
+        groups, channels = int(module.groups), int(module.in_channels)  # type: ignore[arg-type]
+        if groups > 1 and channels // groups > 1:
             return (
-                f"a transposed convolution with groups={groups} stores its weight (c_in, c_out/groups, *k), whose "
-                "(c_out, c_in/groups, *k) rows are no view of it for BNP to transform in place"
+                f"a transposed convolution with groups={groups} and {channels // groups} input channels per group "
+                "stores its weight (c_in, c_out/groups, *k), whose (c_out, c_in/groups, *k) rows are no view of it "
+                "for BNP to transform in place (one input channel per group, groups=in_channels, is transformed)"
             )
         return unsupported(module, self.weight_name, self.bias_name)
 
     def rows(self, module: nn.Module, weight: Tensor) -> Tensor:
-        return weight.transpose(0, 1)  # (c_in, c_out, *k) -> (c_out, c_in, *k): a view, the transform stays in place
+        if module.groups == 1:  # (c_in, c_out, *k) -> (c_out, c_in, *k): a view, the transform stays in place
+            return weight.transpose(0, 1)
+        # one input channel per group: (c_in, c_out/groups, *k) -> (c_out, 1, *k), the same memory (view, never a copy)
+        return weight.view(-1, 1, *weight.shape[2:])
+
+    def groups(self, module: nn.Module) -> int:
+        return int(module.groups)  # type: ignore[arg-type]
 
     def fan_in(self, module: nn.Module) -> int:
-        return int(module.in_channels) * math.prod(module.kernel_size)  # type: ignore[arg-type]
+        return int(module.in_channels) // self.groups(module) * math.prod(module.kernel_size)  # type: ignore[arg-type]
 
     def features(self, module: nn.Module) -> int:
         channels = int(module.in_channels)  # type: ignore[arg-type]

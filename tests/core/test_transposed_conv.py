@@ -57,6 +57,27 @@ def explicit_h(conv: nn.modules.conv._ConvTransposeNd, x: Tensor, output_size: t
     return torch.stack(columns, 1)
 
 
+def weight_rows(conv: nn.modules.conv._ConvTransposeNd, weight: Tensor) -> Tensor:
+    """A (c_in, c_out/groups, *k) tensor as the (c_out, c_in/groups, *k) rows output channels multiply, by indexing
+    (a copy): row o of group γ = o // (c_out/groups) is ``weight[γ·c_in/g : (γ+1)·c_in/g, o − γ·c_out/g]``."""
+    groups, cin_g, cout_g = conv.groups, conv.in_channels // conv.groups, conv.out_channels // conv.groups
+    return torch.stack(
+        [weight[(o // cout_g) * cin_g : (o // cout_g + 1) * cin_g, o % cout_g] for o in range(cout_g * groups)]
+    )
+
+
+def dense_weight(conv: nn.modules.conv._ConvTransposeNd) -> Tensor:
+    """The (c_out, c_in·∏k) weight matrix of [e, H]: each output channel's row over its own group's columns, 0 over
+    the other groups' columns."""
+    rows = weight_rows(conv, conv.weight).flatten(1)
+    per_group = rows.shape[1]
+    dense = torch.zeros(conv.out_channels, conv.in_channels * math.prod(conv.kernel_size), dtype=rows.dtype)
+    for o in range(conv.out_channels):
+        group = o // (conv.out_channels // conv.groups)
+        dense[o, group * per_group : (group + 1) * per_group] = rows[o]
+    return dense
+
+
 def layer_output_rows(y: Tensor) -> Tensor:
     return y.movedim(1, -1).reshape(-1, y.shape[1])
 
@@ -79,6 +100,8 @@ CASES = [
         None,
     ),
     (nn.ConvTranspose3d(1, 2, 3, stride=2, padding=1), (2, 1, 2, 3, 2), (4, 6, 4)),
+    (nn.ConvTranspose2d(3, 6, 4, stride=2, padding=1, groups=3), (2, 3, 3, 4), None),  # depthwise
+    (nn.ConvTranspose1d(2, 2, 3, stride=2, padding=1, groups=2, bias=False), (3, 2, 5), (10,)),
 ]
 IDS = [f"{type(c).__name__}-{i}" for i, (c, _, _) in enumerate(CASES)]
 
@@ -100,8 +123,7 @@ def test_the_reference_matrix_is_the_definition_and_reproduces_the_layer() -> No
         x = torch.randn(shape, dtype=torch.float64)
         y = conv(x, output_size=size) if size is not None else conv(x)
         h = explicit_h(conv, x, size)
-        rows = conv.weight.transpose(0, 1).reshape(conv.out_channels, -1)
-        expected = h @ rows.T + (0.0 if conv.bias is None else conv.bias)
+        expected = h @ dense_weight(conv).T + (0.0 if conv.bias is None else conv.bias)
         torch.testing.assert_close(expected, layer_output_rows(y), rtol=1e-12, atol=1e-12)
 
 
@@ -119,7 +141,7 @@ def run_steps(conv: nn.Module, shape: tuple[int, ...], size: tuple[int, ...] | N
         conv.zero_grad()
         outs = [conv(x.to(dtype), output_size=size) if size is not None else conv(x.to(dtype)) for x in xs]
         sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(dtype)).sum() for o in outs).backward()
-        grad_w = conv.weight.grad.double().transpose(0, 1).clone()  # BNP's rows: (c_out, c_in, *k)
+        grad_w = weight_rows(conv, conv.weight.grad.double())  # BNP's rows: (c_out, c_in/groups, *k)
         grad_b = None if conv.bias is None else conv.bias.grad.double().clone()
         pre.step()
         h = torch.cat([explicit_h(conv.double(), x, size) for x in xs])
@@ -138,9 +160,10 @@ def run_steps(conv: nn.Module, shape: tuple[int, ...], size: tuple[int, ...] | N
             reference.mu = RHO * reference.mu + (1 - RHO) * mean.repeat_interleave(taps)
             reference.var = RHO * reference.var + (1 - RHO) * var.repeat_interleave(taps)
         samples = calls * shape[0]
-        q2 = max(conv.in_channels * taps / samples, math.sqrt(h.shape[0] / samples))  # Alg. 3 step 3 for H
-        expected_w, expected_b = reference.transform(1, grad_w, grad_b, q2)
-        torch.testing.assert_close(conv.weight.grad.double().transpose(0, 1), expected_w, **tol)
+        fan_in = conv.in_channels // conv.groups * taps  # what one output channel sees
+        q2 = max(fan_in / samples, math.sqrt(h.shape[0] / samples))  # Alg. 3 step 3 for H
+        expected_w, expected_b = reference.transform(conv.groups, grad_w, grad_b, q2)
+        torch.testing.assert_close(weight_rows(conv, conv.weight.grad.double()), expected_w, **tol)
         if conv.bias is not None:
             torch.testing.assert_close(conv.bias.grad.double(), expected_b, **tol)
         running = pre.layers[""].running
@@ -267,13 +290,25 @@ def test_default_layer_types_select_transposed_convolutions_by_family_and_by_nam
 
 
 def test_grouped_transposed_convolutions_are_left_alone_and_named() -> None:
-    model = nn.Sequential(nn.ConvTranspose2d(4, 4, 2, stride=2, groups=2), nn.ConvTranspose2d(4, 2, 2))
-    with pytest.warns(BNPWarning, match=r"BNP layer '0' \(ConvTranspose2d\) is left alone: a transposed convolution "
-                      r"with groups=2 stores its weight \(c_in, c_out/groups, \*k\)"):  # fmt: skip
+    """Several input channels per group: left alone (no view of the rows); one per group (depthwise): transformed."""
+    model = nn.Sequential(
+        nn.ConvTranspose2d(4, 4, 2, stride=2, groups=2),
+        nn.ConvTranspose2d(4, 2, 2),
+        nn.ConvTranspose2d(2, 4, 2, groups=2),
+    )
+    message = (
+        r"BNP layer '0' \(ConvTranspose2d\) is left alone: a transposed convolution with groups=2 and 2 input "
+        r"channels per group stores its weight \(c_in, c_out/groups, \*k\)"
+    )
+    with pytest.warns(BNPWarning, match=message):
         pre = BNPPreconditioner(model)
-    assert list(pre.layers) == ["1"]
+    assert list(pre.layers) == ["1", "2"]
     assert pre.skipped["0.weight"].startswith("left alone: a transposed convolution with groups=2")
-    assert pre.coverage.transformed == ("1.weight",)
+    assert pre.coverage.transformed == ("1.weight", "2.weight")
+    depthwise = pre.layers["2"]
+    assert (depthwise.groups, depthwise.fan_in, depthwise.features) == (2, 4, 2)
+    assert depthwise.rows(model[2].weight).shape == (4, 1, 2, 2)
+    assert depthwise.rows(model[2].weight).data_ptr() == model[2].weight.data_ptr()
 
 
 def test_token_masks_are_refused_naming_the_layer() -> None:
@@ -410,12 +445,12 @@ def test_statistics_cost_at_most_a_conv2d_of_the_same_sizes() -> None:
 
 
 def test_grouped_warning_is_silenced_by_exclude() -> None:
-    model = nn.Sequential(nn.ConvTranspose2d(4, 4, 2, groups=4), nn.Linear(3, 3))
+    model = nn.Sequential(nn.ConvTranspose2d(4, 4, 2, groups=2), nn.Linear(3, 3))
     with warnings.catch_warnings():
         warnings.simplefilter("error", BNPWarning)
         pre = BNPPreconditioner(model, exclude="0")
     assert list(pre.layers) == ["1"]
-    assert pre.skipped["0.weight"].startswith("left alone: a transposed convolution with groups=4")
+    assert pre.skipped["0.weight"].startswith("left alone: a transposed convolution with groups=2")
 
 
 @pytest.mark.parametrize("columns", ["channel", "column"])
