@@ -20,12 +20,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
 
 from benchmarks.op_count import profile_cost
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
 from lightning_bnp.core.moments import column_moments_of_input, moments_of_input
 from lightning_bnp.core.transposed_conv import transposed_channel_moments, transposed_column_moments
 from tests.core.test_column_statistics import EPS1, EPS2, RHO, DenseAlg2
+from tests.core.test_dtensor_gradients import expected_refusal, mesh  # noqa: F401  # a one-rank mesh fixture
 from tests.core.test_pooling import TwoRanks, ranks  # noqa: F401  # the fake two-rank group and its fixture
 
 TRANSPOSED = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -475,3 +477,28 @@ def test_compiled_forward_traces_the_hook_without_a_graph_break(columns: str) ->
     torch._dynamo.reset()
     for eager, compiled in zip(*grads):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_gradients_replicated_are_transformed_and_sharded_ones_refused(mesh: DeviceMesh) -> None:  # noqa: F811
+    """FSDP2's ``Shard(0)`` of the stored (c_in, c_out, *k) weight splits BNP's columns, not its rows: refused naming
+    the layer; a replicated gradient is transformed like the plain one."""
+    x = torch.randn(2, 2, 3, 3) + 1
+    grads = []
+    for placements in (None, [Replicate()]):
+        torch.manual_seed(0)
+        conv = nn.ConvTranspose2d(2, 3, 4, stride=2, padding=1)
+        pre = BNPPreconditioner(conv)
+        conv(x).square().sum().backward()
+        if placements is not None:
+            for p in conv.parameters():
+                p.grad = distribute_tensor(p.grad, mesh, placements)
+        pre.step()
+        grads.append(conv.weight.grad if placements is None else conv.weight.grad.to_local())
+        pre.detach()
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    conv = nn.ConvTranspose2d(2, 3, 4, stride=2, padding=1)
+    pre = BNPPreconditioner(conv)
+    conv(x).sum().backward()
+    conv.weight.grad = distribute_tensor(conv.weight.grad, mesh, [Shard(0)])
+    with pytest.raises(ValueError, match="^" + expected_refusal("", "ConvTranspose2d", "(Shard(dim=0),)") + "$"):
+        pre.step()
