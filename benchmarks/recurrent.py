@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks import worker_processes
-from benchmarks.reproduce.sections import splice_section
+from benchmarks.reproduce.sections import extract_section, splice_section
 from lightning_bnp.core import BNPPreconditioner
 
 __all__ = ["CharRNN", "corpus", "extract", "main", "section"]
@@ -185,14 +185,7 @@ def section(results: list[tuple[Job, float, float, bool, float]], seeds: int, no
 
 def extract(report: str) -> list[str]:
     """§8's lines in ``report`` (empty if it has none): ``benchmarks.reproduce`` keeps them when it rewrites."""
-    text = report.splitlines()
-    start = next((i for i, line in enumerate(text) if line.startswith(HEADER)), None)
-    if start is None:
-        return []
-    end = next((i for i in range(start + 1, len(text)) if text[i].startswith("## ") or text[i] == "---"), len(text))
-    while end > start and not text[end - 1]:  # splice_section adds the blank line back
-        end -= 1
-    return text[start:end]
+    return extract_section(report, HEADER)
 
 
 def _verdict(ours: list[float], theirs: list[float]) -> str:

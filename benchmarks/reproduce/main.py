@@ -1,5 +1,5 @@
 """``python -m benchmarks.reproduce``: run the experiments and write RESULTS.md with its figures
-(``--sections conv_statistics``: only §6, spliced into the existing RESULTS.md)."""
+(``--sections conv_statistics``: only §6, ``--sections decoder``: only §9, spliced into the existing RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 
 from benchmarks import recurrent, worker_processes
-from benchmarks.reproduce import conv_statistics, convergence, cost, default_start, kappa, weight_conditioning
+from benchmarks.reproduce import conv_statistics, convergence, cost, decoder, default_start, kappa, weight_conditioning
 from benchmarks.reproduce.runs import Job, Run, task
-from benchmarks.reproduce.sections import splice_section
+from benchmarks.reproduce.sections import extract_section, splice_section
 from benchmarks.reproduce.selection import choose
 from benchmarks.reproduce.settings import CONVERGENCE, KAPPA, QUICK_SEEDS, RESNET, WC, Setting, quick
 from benchmarks.transformers import report as transformers_report
 
 ROOT = Path(__file__).parents[1]
-SECTIONS = ("all", conv_statistics.NAME)  # what --sections can run alone
+SECTIONS = ("all", conv_statistics.NAME, decoder.NAME)  # what --sections can run alone
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -147,11 +147,41 @@ def conv_statistics_alone(args: argparse.Namespace) -> None:
     print(f"wrote §6 into {path} in {seconds:.0f} s")
 
 
+def decoder_alone(args: argparse.Namespace) -> None:
+    """``--sections decoder``: train §9 only and splice it into ``<out>/RESULTS.md`` (a full run keeps it as is)."""
+    settings = tuple(decoder.quick(s, args.seeds) for s in decoder.SETTINGS) if args.quick else decoder.SETTINGS
+    if args.seeds is not None and not args.quick:
+        settings = tuple(replace(s, seeds=args.seeds) for s in settings)
+    saved = args.out / "results" / f"{decoder.NAME}.pkl"
+    if args.rerender:
+        results, seconds = pickle.loads(saved.read_bytes())
+    else:
+        start = time.perf_counter()
+        results = decoder.train_all(settings, args.workers)
+        seconds = time.perf_counter() - start
+        saved.write_bytes(pickle.dumps((results, seconds)))
+    note = (
+        ("**QUICK MODE: tiny runs, the numbers mean nothing.** " if args.quick else "")
+        + f"Generated on its own (`python -m benchmarks.reproduce --sections {decoder.NAME}`) on "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.workers} worker processes; "
+        f"{len(results)} runs, wall time {seconds / 60:.1f} min."
+    )
+    lines = decoder.section(settings, results, note)
+    path = args.out / "RESULTS.md"
+    report = path.read_text() if path.exists() else "\n".join(header(args, seconds)) + "\n"
+    path.write_text(decoder.splice(report, lines))
+    print("\n".join(lines))
+    print(f"wrote §9 into {path} in {seconds:.0f} s")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     (args.out / "results").mkdir(parents=True, exist_ok=True)
     if "all" not in args.sections:
-        conv_statistics_alone(args)
+        if conv_statistics.NAME in args.sections:
+            conv_statistics_alone(args)
+        if decoder.NAME in args.sections:
+            decoder_alone(args)
         return
     every = adjusted([*CONVERGENCE, RESNET, KAPPA, WC, *conv_statistics.SETTINGS], args)
     *settings, resnet, kappa_setting, wc_setting = every[: -len(conv_statistics.SETTINGS)]
@@ -193,12 +223,15 @@ def main(argv: list[str] | None = None) -> None:
         f"{(seconds - train_seconds) / 60:.1f} min; total {seconds / 60:.1f} min.",
     ]
     path = args.out / "RESULTS.md"
-    # §7 (Transformers) comes from `python -m benchmarks.transformers` on its own machine: kept as it was
-    kept = transformers_report.extract(path.read_text()) if path.exists() else []
+    # §7 (Transformers) comes from `python -m benchmarks.transformers` on its own machine, §8 (recurrent layers) from
+    # `python -m benchmarks.recurrent`, §9 (the decoder) from `--sections decoder`: all kept as they were, in order
+    previous = path.read_text() if path.exists() else ""
     text = "\n".join(lines) + "\n"
-    text = transformers_report.splice(text, kept) if kept else text
-    # §8 (recurrent layers) comes from `python -m benchmarks.recurrent`: kept as it was too
-    kept = recurrent.extract(path.read_text()) if path.exists() else []
-    path.write_text(splice_section(text, recurrent.HEADER, kept) if kept else text)
+    if kept := transformers_report.extract(previous):
+        text = transformers_report.splice(text, kept)
+    for title in (recurrent.HEADER, decoder.HEADER):
+        if kept := extract_section(previous, title):
+            text = splice_section(text, title, kept)
+    path.write_text(text)
     print("\n".join(lines))
     print(f"wrote {args.out / 'RESULTS.md'} and {figures}/*.png in {seconds:.0f} s")

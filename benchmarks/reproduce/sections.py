@@ -1,4 +1,4 @@
-"""RESULTS.md sections regenerated on their own (§6, §7): one section replaced in the whole report."""
+"""RESULTS.md sections regenerated on their own (§6–§9): one section replaced in the whole report, or read from it."""
 
 from __future__ import annotations
 
@@ -14,3 +14,16 @@ def splice_section(report: str, header: str, lines: list[str]) -> str:
         return "\n".join([*text[:start], body, "", *text[end:]]).rstrip("\n") + "\n"
     footer = next((i for i, line in enumerate(text) if line == "---"), len(text))
     return "\n".join([*text[:footer], body, "", *text[footer:]]).rstrip("\n") + "\n"
+
+
+def extract_section(report: str, header: str) -> list[str]:
+    """The lines of the section of ``report`` that starts with ``header`` (empty if it has none), without its trailing
+    blank lines (:func:`splice_section` adds one back): what a full ``benchmarks.reproduce`` run keeps."""
+    text = report.splitlines()
+    start = next((i for i, line in enumerate(text) if line.startswith(header)), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start + 1, len(text)) if text[i].startswith("## ") or text[i] == "---"), len(text))
+    while end > start and not text[end - 1]:
+        end -= 1
+    return text[start:end]

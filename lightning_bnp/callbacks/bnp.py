@@ -86,7 +86,8 @@ class BatchNormPreconditioning(ArgumentsRepr, Callback):
             data's statistics from the first step (see the README and ``benchmarks/RESULTS.md`` §5 for
             the evidence behind the default).
         layer_types: layer kinds to manage, from ``Linear`` (with its family: GPT-2's ``transformers.Conv1D``),
-            ``Conv1d``, ``Conv2d``, ``Conv3d`` (default: all four; ``None`` means the same) and any name registered
+            ``Conv1d``, ``Conv2d``, ``Conv3d`` (each with its family: ``ConvTranspose{1,2,3}d``; default: all four;
+            ``None`` means the same) and any name registered
             with ``lightning_bnp.register_layer_kind``.
         include: glob patterns of module names to manage (default: every layer of those types); a
             bare string is one pattern (``include: net.0`` in YAML means ``["net.0"]``).

@@ -3,9 +3,10 @@
 
 ``nn.Linear``, ``nn.Conv{1,2,3}d``, GPT-2's ``transformers.Conv1D`` and ``nn.Embedding`` (:mod:`~lightning_bnp.core.
 kinds`); the q, k, v projections and ``out_proj`` of ``nn.MultiheadAttention`` and torchvision's Swin attention's
-``qkv`` and ``proj``, used through ``F.linear`` (:mod:`~lightning_bnp.core.attention`); the blocks of one-layer
-``nn.RNN``/``nn.LSTM``/``nn.GRU`` and of their cells (:mod:`~lightning_bnp.core.recurrent`). Registered here, above
-those modules, so that none imports another's kinds.
+``qkv`` and ``proj``, used through ``F.linear`` (:mod:`~lightning_bnp.core.attention`); ``nn.ConvTranspose{1,2,3}d``,
+each in the family of the convolution of its dimension (:mod:`~lightning_bnp.core.transposed_conv`); the blocks of
+one-layer ``nn.RNN``/``nn.LSTM``/``nn.GRU`` and of their cells (:mod:`~lightning_bnp.core.recurrent`). Registered
+here, above those modules, so that none imports another's kinds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lightning_bnp.core.kinds import (
     register_built_in_kinds,
 )
 from lightning_bnp.core.recurrent import recurrent_kinds
+from lightning_bnp.core.transposed_conv import ConvTransposeNdKind
 
 __all__: list[str] = []
 
@@ -39,4 +41,5 @@ register_built_in_kinds(
     FunctionalLinearKind(_SWIN, "qkv", name="torchvision.ShiftedWindowAttention.qkv"),
     FunctionalLinearKind(_SWIN, "proj", name="torchvision.ShiftedWindowAttention.proj"),
     *recurrent_kinds(),
+    *(ConvTransposeNdKind(f"ConvTranspose{d}d", getattr(nn, f"ConvTranspose{d}d"), f"Conv{d}d") for d in (1, 2, 3)),
 )

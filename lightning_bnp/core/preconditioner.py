@@ -139,7 +139,8 @@ class BNPPreconditioner(ArgumentsRepr):
             bias-corrected one diverges at the paper's learning rate on the CNN
             (``benchmarks/RESULTS.md`` §5).
         layer_types: which layer kinds to manage: ``Linear`` (with its family: GPT-2's
-            ``transformers.Conv1D``), ``Conv1d``, ``Conv2d``, ``Conv3d``, or any name registered with
+            ``transformers.Conv1D``), ``Conv1d``, ``Conv2d``, ``Conv3d`` (each with its family: ``ConvTranspose1d``,
+            ``ConvTranspose2d``, ``ConvTranspose3d``, which their own names select alone), or any name registered with
             :func:`~lightning_bnp.core.kinds.register_layer_kind`.
         include: glob patterns of layer names to manage (all when ``None``); a bare string is one pattern.
         exclude: glob patterns of layer names to leave alone (a bare string is one pattern).

@@ -132,7 +132,7 @@ def test_a_kind_registered_later_is_accepted_in_layer_types_and_unknown_names_ar
 
 def test_skipped_names_each_weight_matrix_bnp_leaves_alone_with_its_reason() -> None:
     model = nn.Sequential(
-        nn.Linear(4, 4), Affine(), nn.Linear(4, 4), nn.Linear(4, 4), nn.ConvTranspose1d(4, 4, 1), nn.Embedding(3, 4)
+        nn.Linear(4, 4), Affine(), nn.Linear(4, 4), nn.Linear(4, 4), nn.Bilinear(4, 4, 4), nn.Embedding(3, 4)
     )
     model[3].requires_grad_(False)
     model[3].bias.requires_grad_(True)
@@ -141,7 +141,7 @@ def test_skipped_names_each_weight_matrix_bnp_leaves_alone_with_its_reason() -> 
     assert pre.skipped == {
         "1.matrix": "unknown layer type tests.helpers.Affine (teach BNP with register_layer_kind)",
         "2.weight": "excluded by `exclude` pattern '2'",
-        "4.weight": "unknown layer type torch.nn.modules.conv.ConvTranspose1d (teach BNP with register_layer_kind)",
+        "4.weight": "unknown layer type torch.nn.modules.linear.Bilinear (teach BNP with register_layer_kind)",
         "5.weight": "embedding (embeddings=False)",
         "3.weight": "frozen (requires_grad=False); transformed once it trains",
     }

@@ -71,6 +71,18 @@ class Sequences(nn.Module):
 NETS |= {"lstm": (Sequences, (6,))}
 
 
+def make_tconv(seed: int = 0) -> nn.Sequential:
+    """A conv encoder and a transposed-conv decoder (issue 44), then a linear head."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.ReLU(), nn.ConvTranspose2d(3, 2, 4, stride=2, padding=1),
+        nn.ReLU(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3),
+    )  # fmt: skip
+
+
+NETS |= {"tconv": (make_tconv, (2, 6, 6))}
+
+
 class OrderedData(pl.LightningDataModule):
     """Rank r of W takes samples r, r+W, r+2W, …: per step the ranks' batches of b are exactly the
     single-process batch of W·b (Lightning's own distributed sampler would shuffle)."""
