@@ -1,4 +1,4 @@
-"""Experiment 8 (issue 44): a decoder of transposed convolutions, the setting where BatchNorm's batch coupling bites.
+"""Experiment 9 (issue 44): a decoder of transposed convolutions, the setting where BatchNorm's batch coupling bites.
 
 An autoencoder on the 28×28 digits (784 → 64 → 32·7·7, then two stride-2 ``ConvTranspose2d`` back to 1×28×28,
 squared reconstruction error) trained with plain SGD and momentum 0.9 (``vanilla``), with BatchNorm after the
