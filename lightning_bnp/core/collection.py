@@ -1,25 +1,32 @@
 """Forward statistics: hooks on the managed modules that reduce each training forward call's input to moments and
-add them to the layer's statistics for the next step once the backward pass reaches the call's output; which
-preconditioner owns a module (one at a time), attaching and detaching the hooks, and pausing the collection.
+add them to the layer's statistics for the next step once a backward gives the weight the gradient of the call's
+output; which preconditioner owns a module (one at a time), attaching and detaching the hooks, and pausing the
+collection.
 
-A forward call's statistics count once the backward pass reaches its output (a pre-hook on the output's autograd
-node): a forward whose output gets no gradient adds nothing, and the forward that non-reentrant activation
-checkpointing recomputes during the backward is not counted twice. Under ``torch.compile`` the hooks are traced
-and count at the forward (README "torch.compile").
+When a forward call counts (docs/computation.md "Which forward calls count"). Its moments are held when a backward
+reaches its output (a pre-hook on the output's autograd node) and join the step when that same backward accumulates
+the weight's gradient (a post-accumulate-grad hook on the weight): :mod:`~lightning_bnp.core.reached`. A forward
+whose output gets no gradient, or whose backward accumulates nothing into the weight (``torch.autograd.grad(loss,
+x)`` for adversarial examples or saliency, ``autograd.grad`` with respect to the parameters, ``backward(inputs=...)``
+without the weight) adds nothing; the forward that non-reentrant activation checkpointing recomputes during the
+backward is never reached, and the one that reentrant checkpointing recomputes (the only one back-propagated there)
+counts under the token mask and pause of the forward it recomputes (:mod:`~lightning_bnp.core.recompute`). Under
+``torch.compile`` the hooks are traced and count at the forward (README "torch.compile").
 
-Discarded gradients. Statistics counted belong to the gradient accumulated in the weight's ``.grad``: a hook after
-the weight's gradient accumulation marks a layer's pending statistics as having reached it, and a later count that
-finds ``.grad`` reset to ``None`` (``zero_grad()``, whose default is ``set_to_none=True``) since then drops them
-first — e.g. a GAN's discriminator forward during the generator's step, without ``toggle_optimizer``, whose
-gradient the discriminator's ``zero_grad()`` throws away (issue 37, item 5). Only identity is compared (no tensor
-value, no host read). Not seen: a gradient zeroed in place (``zero_grad(set_to_none=False)``).
+Discarded gradients. Statistics counted belong to the gradient accumulated in the weight's ``.grad``: the hook after
+the weight's gradient accumulation marks a layer's pending statistics as having reached it, and a later forward
+reached by a backward that finds ``.grad`` reset to ``None`` (``zero_grad()``, whose default is
+``set_to_none=True``) since then drops them first — e.g. a GAN's discriminator forward during the generator's step,
+without ``toggle_optimizer``, whose gradient the discriminator's ``zero_grad()`` throws away (issue 37, item 5).
+Only identity is compared (no tensor value, no host read). Not seen: a gradient zeroed in place
+(``zero_grad(set_to_none=False)``).
 
 Other tensors as the weight. ``torch.func.functional_call(model, params, x)`` swaps its own tensors into the
 module for one forward: the hooks record that forward's statistics, but the backward puts the gradient on those
-tensors, not on the weight leaf BNP manages. A counted forward whose module held another tensor than the leaf kept
-at :meth:`~StatisticsCollection.attach` marks the layer (:attr:`ManagedLayer.foreign_weight`, identity only, eager
-only); the step names such a layer when its leaf has no gradient (under FSDP2 the forward's unsharded weight is
-another tensor too, but the gradient reaches the leaf: nothing is said).
+tensors, not on the weight leaf BNP manages. Such a forward counts when the backward accumulates the gradient of
+the tensor it used (its leaf is hooked at the forward), and marks the layer (:attr:`ManagedLayer.foreign_weight`,
+identity only, eager only); the step names such a layer when its leaf has no gradient (under FSDP2 the forward's
+unsharded weight is another tensor too, but the gradient reaches the leaf: nothing is said).
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_bnp.core.attention import capturing, stop_capturing
 from lightning_bnp.core.copies import register_forward_hook, register_forward_pre_hook
-from lightning_bnp.core.layers import ManagedLayer
+from lightning_bnp.core.layers import NO_LEAF, ManagedLayer
+from lightning_bnp.core.reached import BackwardTasks, Reached
+from lightning_bnp.core.recompute import Context, remember, replayed
 from lightning_bnp.core.statistics import Moments
 from lightning_bnp.core.token_masks import TokenMasks
 
@@ -74,13 +83,17 @@ class StatisticsCollection:
         self.settled: dict[str, tuple[weakref.ref[Tensor], Moments]] = {}
         # layer → its weight leaf when attached: a forward that runs with another tensor as the weight is marked
         self.leaves: dict[str, weakref.ref[Tensor]] = {}
+        # layer → the tensors whose gradient accumulation counts its reached forwards: id → (tensor, hook handle)
+        self.watched: dict[str, dict[int, tuple[weakref.ref[Tensor], RemovableHandle]]] = {}
+        self.tasks = BackwardTasks()  # forwards reached by each running backward, not counted yet
 
     def __getstate__(self) -> dict[str, Any]:
         # hook handles stay behind (a copy of the model carries no BNP hooks: core/copies.py)
-        return {**self.__dict__, "handles": [], "settled": {}, "leaves": {}}
+        return {**self.__dict__, "handles": [], "settled": {}, "leaves": {}, "watched": {}, "tasks": BackwardTasks()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"settled": {}, "leaves": {}, **state})  # (pickled before `settled` existed)
+        # (pickled before `settled`, `watched` existed)
+        self.__dict__.update({"settled": {}, "leaves": {}, "watched": {}, "tasks": BackwardTasks(), **state})
 
     @property
     def attached(self) -> bool:
@@ -126,18 +139,22 @@ class StatisticsCollection:
                 self.handles.append(register_forward_hook(module, self._make_hook(layer), with_kwargs=True))
         for layer in self.layers:
             weight = layer.weight
-            if isinstance(weight, Tensor) and weight.is_leaf and weight.requires_grad:  # (frozen: nothing to track)
-                settle = self._settle_when_accumulated(layer, weight)
-                self.handles.append(weight.register_post_accumulate_grad_hook(settle))
+            if isinstance(weight, Tensor) and weight.is_leaf and weight is not NO_LEAF:
                 self.leaves[layer.name] = weakref.ref(weight)
+                self._watch(layer, weight)  # (frozen: at its first forward once trainable)
 
     def detach(self) -> None:
         """Remove the hooks; statistics of forwards that ran before this call never count."""
         for handle in self.handles:
             handle.remove()
+        for watched in self.watched.values():
+            for _, handle in watched.values():
+                handle.remove()
         self.handles.clear()
         self.settled.clear()
         self.leaves.clear()
+        self.watched.clear()
+        self.tasks.clear()
         self.generation += 1
         for layer in self.layers:
             layer.moments = None
@@ -147,14 +164,26 @@ class StatisticsCollection:
                 if owner is not None and owner() is self:
                     del _OWNERS[module]
 
+    def _context(self) -> Context:
+        """What a forward call running now is counted under: inside a reentrant checkpoint's recomputation, the
+        context of the forward it recomputes (:mod:`~lightning_bnp.core.recompute`), else the current one."""
+        return replayed(self) or Context(self.collecting, self.masks.mask, self.masks.applies_to)
+
+    def _under(self, context: Context, record: Callable[[], None]) -> None:
+        """Run ``record`` with the token mask of ``context`` in force (a recomputed forward's own)."""
+        masks = self.masks
+        previous = masks.mask, masks.applies_to
+        masks.mask, masks.applies_to = context.mask, context.applies_to
+        try:
+            record()
+        finally:
+            masks.mask, masks.applies_to = previous
+
     def _make_hook(self, layer: ManagedLayer) -> Any:
         kind = layer.kind
         moments, layer_input, default_input, input_name = kind.moments, kind.input, kind.default_input, kind.input_name
 
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            # statistics only from training forward passes that build a graph for a gradient
-            if not (self.collecting and module.training and torch.is_grad_enabled()):
-                return
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             weight = layer.weight  # (looked up once per call: a property that follows reparametrizations)
             if not weight.requires_grad:
                 return
@@ -164,6 +193,20 @@ class StatisticsCollection:
                 h = layer_input(module, args, kwargs)
             if isinstance(h, Tensor) and isinstance(output, Tensor):
                 self._record(layer, module, args, kwargs, h, output, moments, weight)
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            # statistics only from training forward passes that build a graph for a gradient
+            if not module.training:
+                return
+            if not torch.is_grad_enabled():  # (a reentrant checkpoint's first run: keep the context)
+                remember(self, self._context())
+                return
+            replay = replayed(self)
+            if replay is None:
+                if self.collecting:
+                    record(module, args, kwargs, output)
+            elif replay.collecting:  # recomputed by reentrant checkpointing: under its forward's mask
+                self._under(replay, lambda: record(module, args, kwargs, output))
 
         return hook
 
@@ -180,8 +223,8 @@ class StatisticsCollection:
     ) -> None:
         """Count the moments of one (input, output) pair of a training forward call: ``moments`` reduces ``h`` (on
         ``h.detach()``: it records no graph) unless a token mask applies or ``h`` is nested; they join the step once
-        the backward reaches ``out``, or at once in a traced forward (README, "torch.compile"). ``weight``: the
-        layer's weight attribute as this forward found it."""
+        a backward reaches ``out`` and accumulates the gradient of ``weight``, or at once in a traced forward
+        (README, "torch.compile"). ``weight``: the layer's weight attribute as this forward found it."""
         special = None
         if self.masks.mask is not None or h.is_nested:  # token masks, jagged rows
             special = self.masks.moments_of(layer, module, args, kwargs, h, out)
@@ -194,9 +237,9 @@ class StatisticsCollection:
             # swaps in its own tensors) is not the leaf BNP manages: its gradient lands elsewhere
             leaf = self.leaves.get(layer.name)
             foreign = leaf is not None and weight is not leaf()
-            node.register_prehook(
-                self._count_when_reached(layer, moments(module, h, out) if special is None else special, foreign)
-            )
+            self._watch(layer, weight)
+            part = moments(module, h, out) if special is None else special
+            node.register_prehook(self._hold_when_reached(layer, Reached(part, foreign)))
 
     def _register_calls_hooks(self, layer: ManagedLayer, module: nn.Module, shared: list[Any]) -> list[RemovableHandle]:
         """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
@@ -213,7 +256,9 @@ class StatisticsCollection:
             )
 
         def recording() -> bool:
-            return self.collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad
+            if not (module.training and torch.is_grad_enabled()):
+                return False
+            return self._context().collecting and layer.weight.requires_grad
 
         if kind.captures:
 
@@ -226,6 +271,8 @@ class StatisticsCollection:
             handles.append(register_forward_pre_hook(module, pre_hook))
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if module.training and not torch.is_grad_enabled():  # (a reentrant checkpoint's first run)
+                remember(self, self._context())
             if kind.captures:
                 if not started:
                     return
@@ -236,48 +283,77 @@ class StatisticsCollection:
                 calls = kind.calls(module, args, kwargs, output)
             else:
                 return
-            weight = layer.weight
-            for h, out in calls:
-                if isinstance(h, Tensor) and isinstance(out, Tensor):
-                    self._record(layer, module, args, kwargs, h, out, reduce, weight)
+            weight, context = layer.weight, self._context()
+
+            def record() -> None:
+                for h, out in calls:
+                    if isinstance(h, Tensor) and isinstance(out, Tensor):
+                        self._record(layer, module, args, kwargs, h, out, reduce, weight)
+
+            self._under(context, record)
 
         handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
         return handles
 
-    def _count_when_reached(self, layer: ManagedLayer, part: Moments, foreign: bool = False) -> Any:
-        """A pre-hook for the output's autograd node: the forward's statistics join the step when the
-        backward pass reaches the output (once, however often the graph is back-propagated); ``foreign``: the
-        forward used another tensor than the managed weight leaf (:attr:`ManagedLayer.foreign_weight`)."""
-        generation, counted = self.generation, False
+    def _watch(self, layer: ManagedLayer, weight: Tensor) -> None:
+        """Count ``layer``'s reached forwards when a backward accumulates the gradient of ``weight`` (a trainable leaf:
+        the module's own weight, or one a forward ran with — torch.func.functional_call's, FSDP2's unsharded one)."""
+        watched = self.watched.setdefault(layer.name, {})
+        known = watched.get(id(weight))
+        if (known is not None and known[0]() is weight) or not (weight.is_leaf and weight.requires_grad):
+            return
+        for key in [key for key, (ref, _) in watched.items() if ref() is None]:  # (tensors freed since)
+            del watched[key]
+        handle = weight.register_post_accumulate_grad_hook(self._count_when_accumulated(layer))
+        watched[id(weight)] = (weakref.ref(weight), handle)
 
-        def count(grad_outputs: tuple[Tensor | None, ...]) -> None:
-            nonlocal counted
-            if counted or generation != self.generation:
+    def _hold_when_reached(self, layer: ManagedLayer, reached: Reached) -> Any:
+        """A pre-hook for the output's autograd node: when a backward reaches the output, the forward's statistics
+        wait for that backward to accumulate the weight's gradient (:mod:`~lightning_bnp.core.reached`); they count
+        once, however often the graph is back-propagated."""
+        generation = self.generation
+
+        def hold(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            if reached.counted or generation != self.generation:
                 return
-            counted = True
-            settled = self.settled.pop(layer.name, None)
-            # the very statistics that reached the gradient, and the gradient reset since: a discarded gradient's
-            # (statistics counted after the settle — a later step's, a traced forward's — are not those)
-            if (
-                settled is not None
-                and layer.moments is settled[1]
-                and (weight := settled[0]()) is not None
-                and weight.grad is None
-            ):
-                layer.moments = None
-            layer.add_moments(part)
-            layer.foreign_weight |= foreign
+            self._drop_discarded(layer)
+            if not self.tasks.hold(layer.name, reached):  # (no graph task to wait for: counted now)
+                self._count(layer, reached)
 
-        return count
+        return hold
 
-    def _settle_when_accumulated(self, layer: ManagedLayer, leaf: Tensor) -> Any:
-        """A post-accumulate-grad hook of the weight ``leaf``: the layer's pending statistics have reached its gradient.
-        Only for ``leaf`` itself: a wrapper that copies the hook to a tensor of its own (FSDP2's unsharded parameter,
-        whose gradient it moves to the sharded one and resets) settles nothing."""
-        ref = weakref.ref(leaf)
+    def _drop_discarded(self, layer: ManagedLayer) -> None:
+        """Drop the statistics that reached the weight's gradient if that gradient was reset since (and nothing was
+        counted after them: statistics counted after the settle — a later step's, a traced forward's — are not a
+        discarded gradient's)."""
+        settled = self.settled.get(layer.name)
+        if (
+            settled is not None
+            and layer.moments is settled[1]
+            and (weight := settled[0]()) is not None
+            and weight.grad is None
+        ):
+            layer.moments = None
+            del self.settled[layer.name]
 
-        def settle(weight: Tensor) -> None:
-            if layer.moments is not None and weight is ref():
-                self.settled[layer.name] = (ref, layer.moments)
+    @staticmethod
+    def _count(layer: ManagedLayer, reached: Reached) -> None:
+        reached.counted = True
+        layer.add_moments(reached.part)
+        layer.foreign_weight |= reached.foreign
 
-        return settle
+    def _count_when_accumulated(self, layer: ManagedLayer) -> Any:
+        """A post-accumulate-grad hook of a tensor ``layer``'s forwards ran with: what the running backward reached of
+        ``layer`` counts, and, for the managed leaf itself, the layer's statistics have reached its gradient. A
+        wrapper that accumulates a gradient in a tensor of its own and moves it to the leaf (FSDP2's unsharded
+        parameter) counts there and settles nothing."""
+
+        def accumulated(weight: Tensor) -> None:
+            for reached in self.tasks.take(layer.name):
+                if not reached.counted:
+                    self._count(layer, reached)
+            leaf = self.leaves.get(layer.name)
+            if layer.moments is not None and leaf is not None and weight is leaf():
+                self.settled[layer.name] = (leaf, layer.moments)
+
+        return accumulated
