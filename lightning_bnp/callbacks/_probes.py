@@ -28,6 +28,7 @@ from lightning_bnp.core import metrics as M
 from lightning_bnp.core.layers import ManagedLayer
 from lightning_bnp.core.layers import weight_leaf as trainable_weight
 from lightning_bnp.core.preconditioner import BNPPreconditioner
+from lightning_bnp.core.recompute import in_reentrant_checkpoint
 from lightning_bnp.core.transform import var_tilde
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "DtypeFallback",
     "NoLoss",
     "ProbeStep",
+    "ReentrantCheckpoint",
     "StepLoss",
     "is_neuron_layer",
     "learning_rates",
@@ -102,6 +104,21 @@ class NoLoss(Exception):
     """``training_step`` returned no loss tensor (e.g. ``None`` to skip the batch)."""
 
 
+class ReentrantCheckpoint(Exception):
+    """The loss to differentiate ran reentrant activation checkpointing, which ``torch.autograd.grad`` cannot
+    differentiate (its backward only runs under ``.backward()``; on detached parameters its output has no graph)."""
+
+
+REENTRANT_CHECKPOINT = (
+    "the model uses reentrant activation checkpointing (torch.utils.checkpoint.checkpoint(..., "
+    "use_reentrant=True), or Hugging Face's gradient_checkpointing_enable() with reentrant checkpointing), which "
+    "torch.autograd.grad cannot differentiate: the probes that differentiate the re-evaluated loss (Hessian "
+    "blocks, effective learning rate, landscape, Lanczos) are skipped. Use non-reentrant checkpointing "
+    "(use_reentrant=False; gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})) "
+    "to measure them."
+)
+
+
 class _TrainingStep(nn.Module):
     """``training_step`` as a forward, so that ``functional_call`` can substitute the module's tensors."""
 
@@ -137,6 +154,29 @@ class StepLoss:
         self.device = module.device
 
     def __call__(self, replaced: dict[str, Tensor]) -> Tensor:
+        """The loss to differentiate at the ``replaced`` tensors.
+
+        Raises:
+            ReentrantCheckpoint: the forward ran reentrant activation checkpointing.
+            NoLoss: ``training_step`` returned no loss tensor.
+        """
+        reentrant: list[bool] = []
+
+        def detect(module: nn.Module, args: Any, output: Any) -> None:
+            if not reentrant and not torch.is_grad_enabled() and in_reentrant_checkpoint():
+                reentrant.append(True)
+
+        handle = nn.modules.module.register_module_forward_hook(detect)
+        try:
+            total = self.evaluate(replaced)
+        finally:
+            handle.remove()
+        if reentrant:
+            raise ReentrantCheckpoint
+        return total
+
+    def evaluate(self, replaced: dict[str, Tensor]) -> Tensor:
+        """The loss at the ``replaced`` tensors, for its value (:meth:`__call__` to differentiate it)."""
         # buffers are cloned per call: a BatchNorm in training mode updates them in place
         values = {**self.params, **{k: b.clone() for k, b in self.buffers.items()}, **replaced}
         values = {f"module.{k}": v for k, v in values.items()}
@@ -165,7 +205,7 @@ class StepLoss:
 
         handle = self.wrapper.module.register_forward_hook(lambda m, a, out: apply_to_collection(out, Tensor, keep))
         try:
-            loss = self(replaced)
+            loss = self.evaluate(replaced)
         finally:
             handle.remove()
         return torch.cat([loss.detach().double().reshape(1), *seen])

@@ -322,6 +322,8 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
                     metrics.update(lanczos_metrics(fixed, self.lanczos_iters))
             except probes.NoLoss:
                 self._warn_once("no_loss", "`training_step` returned no loss tensor; probes skipped this step.")
+            except probes.ReentrantCheckpoint:
+                self._warn_once("reentrant", probes.REENTRANT_CHECKPOINT)
         return finite_metrics(metrics, self._warn_once)
 
     def _hessian_metrics(self, step: probes.ProbeStep, pre: BNPPreconditioner | None) -> dict[str, float]:
