@@ -28,10 +28,18 @@ from torch.autograd import Variable
 
 from lightning_bnp.core.statistics import Moments
 
-__all__ = ["BackwardTasks", "Reached"]
+__all__ = ["BackwardTasks", "Reached", "current_task"]
 
 # graph tasks whose end callback never ran (a backward that raised) are dropped past this many, oldest first
 _MAX_TASKS = 64
+
+
+def _no_task() -> int:
+    return -1
+
+
+# the running backward's graph task id, -1 outside one (a torch without it: every reached forward counts at once)
+current_task = getattr(torch._C, "_current_graph_task_id", _no_task)
 
 
 class Reached:
@@ -58,7 +66,7 @@ class BackwardTasks:
     def hold(self, name: str, reached: Reached) -> bool:
         """Hold ``reached`` for layer ``name`` until the running backward accumulates its weight's gradient or ends;
         False outside a graph task (the caller counts it at once)."""
-        task = torch._C._current_graph_task_id()
+        task = current_task()
         if task < 0:
             return False
         held = self.held.get(task)
@@ -75,7 +83,7 @@ class BackwardTasks:
 
     def take(self, name: str) -> list[Reached]:
         """What the running backward reached of layer ``name`` (called when it accumulates the weight's gradient)."""
-        held = self.held.get(torch._C._current_graph_task_id())
+        held = self.held.get(current_task())
         return [] if held is None else held.pop(name, [])
 
     def clear(self) -> None:

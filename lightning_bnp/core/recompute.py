@@ -24,10 +24,14 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import CheckpointFunction
 
+from lightning_bnp.core.reached import current_task
+
 __all__ = ["Context", "in_reentrant_checkpoint", "remember", "replayed"]
 
 _FORWARD = CheckpointFunction.forward.__code__
 _ATTRIBUTE = "_bnp_contexts"  # on the checkpoint's ctx: {collection: Context}
+# the node the autograd engine runs now (a torch without it: recomputations count under the current context)
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 # frames between a forward hook and the checkpoint's forward: module calls nested this deep inside ``fn``
 _MAX_DEPTH = 200
 
@@ -75,8 +79,8 @@ def remember(owner: object, context: Context) -> None:
 def replayed(owner: object) -> Context | None:
     """The context ``owner`` remembered for the forward that the running backward recomputes (reentrant
     checkpointing); None for any other forward call."""
-    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() < 0:  # not in a backward: the usual forward
+    if torch.compiler.is_compiling() or current_task() < 0:  # not in a backward: the usual forward
         return None
-    node: Any = torch._C._current_autograd_node()
+    node: Any = _current_node()
     contexts = getattr(node, _ATTRIBUTE, None)
     return None if contexts is None else contexts.get(owner)
