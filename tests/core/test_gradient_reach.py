@@ -6,11 +6,13 @@ that are behind the gradient), exactly."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_bnp import BNPPreconditioner
+from lightning_bnp.core import BNPWarning
 from tests.helpers import spy_moments
 
 STEPS, BATCH = 3, 5
@@ -157,3 +159,19 @@ def test_a_layer_frozen_at_construction_counts_once_trainable() -> None:
     F.cross_entropy(net(x), y).backward()
     pre.step()
     _layer_moments(net, seen, x)
+
+
+def test_a_gradient_from_autograd_grad_assigned_to_grad_is_named_at_the_step() -> None:
+    """A loop that computes the gradient with ``autograd.grad`` and assigns it to ``.grad``: no backward accumulated
+    the weights' gradients, so no statistics count; the step names each layer and the cause, and transforms
+    nothing."""
+    net = _net()
+    pre = BNPPreconditioner(net)
+    x, y = _batch(0)
+    params = list(net.parameters())
+    for p, g in zip(params, torch.autograd.grad(F.cross_entropy(net(x), y), params)):
+        p.grad = g
+    with pytest.warns(BNPWarning, match=r"torch\.autograd\.grad, which accumulates nothing") as caught:
+        pre.step()
+    assert sorted(name for name in pre.layers if any(f"'{name}'" in str(w.message) for w in caught)) == ["0", "2"]
+    assert all(layer.transform is None for layer in pre.layers.values())
