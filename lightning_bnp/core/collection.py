@@ -86,14 +86,17 @@ class StatisticsCollection:
         # layer → the tensors whose gradient accumulation counts its reached forwards: id → (tensor, hook handle)
         self.watched: dict[str, dict[int, tuple[weakref.ref[Tensor], RemovableHandle]]] = {}
         self.tasks = BackwardTasks()  # forwards reached by each running backward, not counted yet
+        self.recomputes = False  # a reentrant checkpoint ran a managed module: look for recomputations from then on
 
     def __getstate__(self) -> dict[str, Any]:
         # hook handles stay behind (a copy of the model carries no BNP hooks: core/copies.py)
-        return {**self.__dict__, "handles": [], "settled": {}, "leaves": {}, "watched": {}, "tasks": BackwardTasks()}
+        fresh = {"settled": {}, "leaves": {}, "watched": {}, "tasks": BackwardTasks(), "recomputes": False}
+        return {**self.__dict__, "handles": [], **fresh}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (pickled before `settled`, `watched` existed)
-        self.__dict__.update({"settled": {}, "leaves": {}, "watched": {}, "tasks": BackwardTasks(), **state})
+        fresh = {"settled": {}, "leaves": {}, "watched": {}, "tasks": BackwardTasks(), "recomputes": False}
+        self.__dict__.update({**fresh, **state})
 
     @property
     def attached(self) -> bool:
@@ -164,10 +167,18 @@ class StatisticsCollection:
                 if owner is not None and owner() is self:
                     del _OWNERS[module]
 
+    def _replayed(self) -> Context | None:
+        """Inside a reentrant checkpoint's recomputation, the context of the forward it recomputes
+        (:mod:`~lightning_bnp.core.recompute`); None otherwise (without a look before any reentrant checkpoint ran)."""
+        return replayed(self) if self.recomputes else None
+
     def _context(self) -> Context:
-        """What a forward call running now is counted under: inside a reentrant checkpoint's recomputation, the
-        context of the forward it recomputes (:mod:`~lightning_bnp.core.recompute`), else the current one."""
-        return replayed(self) or Context(self.collecting, self.masks.mask, self.masks.applies_to)
+        """What a forward call running now is counted under."""
+        return self._replayed() or Context(self.collecting, self.masks.mask, self.masks.applies_to)
+
+    def _remember(self) -> None:
+        """A training forward call without gradients: a reentrant checkpoint's first run keeps the context."""
+        self.recomputes |= remember(self, self._context())
 
     def _under(self, context: Context, record: Callable[[], None]) -> None:
         """Run ``record`` with the token mask of ``context`` in force (a recomputed forward's own)."""
@@ -198,10 +209,10 @@ class StatisticsCollection:
             # statistics only from training forward passes that build a graph for a gradient
             if not module.training:
                 return
-            if not torch.is_grad_enabled():  # (a reentrant checkpoint's first run: keep the context)
-                remember(self, self._context())
+            if not torch.is_grad_enabled():
+                self._remember()
                 return
-            replay = replayed(self)
+            replay = self._replayed()
             if replay is None:
                 if self.collecting:
                     record(module, args, kwargs, output)
@@ -271,8 +282,8 @@ class StatisticsCollection:
             handles.append(register_forward_pre_hook(module, pre_hook))
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if module.training and not torch.is_grad_enabled():  # (a reentrant checkpoint's first run)
-                remember(self, self._context())
+            if module.training and not torch.is_grad_enabled():
+                self._remember()
             if kind.captures:
                 if not started:
                     return
@@ -298,10 +309,12 @@ class StatisticsCollection:
     def _watch(self, layer: ManagedLayer, weight: Tensor) -> None:
         """Count ``layer``'s reached forwards when a backward accumulates the gradient of ``weight`` (a trainable leaf:
         the module's own weight, or one a forward ran with — torch.func.functional_call's, FSDP2's unsharded one)."""
-        watched = self.watched.setdefault(layer.name, {})
-        known = watched.get(id(weight))
+        watched = self.watched.get(layer.name)
+        known = None if watched is None else watched.get(id(weight))
         if (known is not None and known[0]() is weight) or not (weight.is_leaf and weight.requires_grad):
             return
+        if watched is None:
+            watched = self.watched[layer.name] = {}
         for key in [key for key, (ref, _) in watched.items() if ref() is None]:  # (tensors freed since)
             del watched[key]
         handle = weight.register_post_accumulate_grad_hook(self._count_when_accumulated(layer))

@@ -62,18 +62,20 @@ def in_reentrant_checkpoint() -> bool:
     return not torch.compiler.is_compiling() and _checkpoint_ctx() is not None
 
 
-def remember(owner: object, context: Context) -> None:
+def remember(owner: object, context: Context) -> bool:
     """Keep ``context`` for ``owner`` (a statistics collection) on the reentrant checkpoint whose first, gradient-free
-    run calls this hook (nothing outside one); the first call of a run wins."""
+    run calls this hook; the first call of a run wins. Whether the call runs inside one."""
     if torch.compiler.is_compiling():  # (a traced forward: no frames to read, and no checkpoint's ctx to reach)
-        return
+        return False
     ctx = _checkpoint_ctx()
-    if ctx is not None:
-        contexts: dict[object, Context] | None = getattr(ctx, _ATTRIBUTE, None)
-        if contexts is None:
-            contexts = {}
-            setattr(ctx, _ATTRIBUTE, contexts)
-        contexts.setdefault(owner, context)
+    if ctx is None:
+        return False
+    contexts: dict[object, Context] | None = getattr(ctx, _ATTRIBUTE, None)
+    if contexts is None:
+        contexts = {}
+        setattr(ctx, _ATTRIBUTE, contexts)
+    contexts.setdefault(owner, context)
+    return True
 
 
 def replayed(owner: object) -> Context | None:
