@@ -65,6 +65,23 @@ def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, 
     return part
 
 
+def _under(masks: TokenMasks, context: Context, record: Callable[[], None]) -> None:
+    """Run ``record`` with the token mask of ``context`` in force (a recomputed forward's own)."""
+    previous = masks.mask, masks.applies_to
+    masks.mask, masks.applies_to = context.mask, context.applies_to
+    try:
+        record()
+    finally:
+        masks.mask, masks.applies_to = previous
+
+
+def _count(layer: ManagedLayer, reached: Reached) -> None:
+    """A reached forward's statistics join the layer's step."""
+    reached.counted = True
+    layer.add_moments(reached.part)
+    layer.foreign_weight |= reached.foreign
+
+
 class StatisticsCollection:
     """The forward hooks of one preconditioner's layers.
 
@@ -180,16 +197,6 @@ class StatisticsCollection:
         """A training forward call without gradients: a reentrant checkpoint's first run keeps the context."""
         self.recomputes |= remember(self, self._context())
 
-    def _under(self, context: Context, record: Callable[[], None]) -> None:
-        """Run ``record`` with the token mask of ``context`` in force (a recomputed forward's own)."""
-        masks = self.masks
-        previous = masks.mask, masks.applies_to
-        masks.mask, masks.applies_to = context.mask, context.applies_to
-        try:
-            record()
-        finally:
-            masks.mask, masks.applies_to = previous
-
     def _make_hook(self, layer: ManagedLayer) -> Any:
         kind = layer.kind
         moments, layer_input, default_input, input_name = kind.moments, kind.input, kind.default_input, kind.input_name
@@ -217,7 +224,7 @@ class StatisticsCollection:
                 if self.collecting:
                     record(module, args, kwargs, output)
             elif replay.collecting:  # recomputed by reentrant checkpointing: under its forward's mask
-                self._under(replay, lambda: record(module, args, kwargs, output))
+                _under(self.masks, replay, lambda: record(module, args, kwargs, output))
 
         return hook
 
@@ -301,7 +308,7 @@ class StatisticsCollection:
                     if isinstance(h, Tensor) and isinstance(out, Tensor):
                         self._record(layer, module, args, kwargs, h, out, reduce, weight)
 
-            self._under(context, record)
+            _under(self.masks, context, record)
 
         handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
         return handles
@@ -331,7 +338,7 @@ class StatisticsCollection:
                 return
             self._drop_discarded(layer)
             if not self.tasks.hold(layer.name, reached):  # (no graph task to wait for: counted now)
-                self._count(layer, reached)
+                _count(layer, reached)
 
         return hold
 
@@ -349,12 +356,6 @@ class StatisticsCollection:
             layer.moments = None
             del self.settled[layer.name]
 
-    @staticmethod
-    def _count(layer: ManagedLayer, reached: Reached) -> None:
-        reached.counted = True
-        layer.add_moments(reached.part)
-        layer.foreign_weight |= reached.foreign
-
     def _count_when_accumulated(self, layer: ManagedLayer) -> Any:
         """A post-accumulate-grad hook of a tensor ``layer``'s forwards ran with: what the running backward reached of
         ``layer`` counts, and, for the managed leaf itself, the layer's statistics have reached its gradient. A
@@ -364,7 +365,7 @@ class StatisticsCollection:
         def accumulated(weight: Tensor) -> None:
             for reached in self.tasks.take(layer.name):
                 if not reached.counted:
-                    self._count(layer, reached)
+                    _count(layer, reached)
             leaf = self.leaves.get(layer.name)
             if layer.moments is not None and leaf is not None and weight is leaf():
                 self.settled[layer.name] = (leaf, layer.moments)
