@@ -23,12 +23,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.utils.checkpoint import CheckpointFunction
 
 from lightning_bnp.core import metrics as M
 from lightning_bnp.core.layers import ManagedLayer
 from lightning_bnp.core.layers import weight_leaf as trainable_weight
 from lightning_bnp.core.preconditioner import BNPPreconditioner
-from lightning_bnp.core.recompute import in_reentrant_checkpoint
 from lightning_bnp.core.transform import var_tilde
 
 __all__ = [
@@ -36,12 +36,12 @@ __all__ = [
     "DtypeFallback",
     "NoLoss",
     "ProbeStep",
-    "ReentrantCheckpoint",
     "StepLoss",
     "is_neuron_layer",
     "learning_rates",
     "neuron_p",
     "raw_statistics",
+    "reentrant_checkpoint_in",
     "silenced_logging",
     "statistics",
     "trainable_weight",
@@ -104,9 +104,21 @@ class NoLoss(Exception):
     """``training_step`` returned no loss tensor (e.g. ``None`` to skip the batch)."""
 
 
-class ReentrantCheckpoint(Exception):
-    """The loss to differentiate ran reentrant activation checkpointing, which ``torch.autograd.grad`` cannot
-    differentiate (its backward only runs under ``.backward()``; on detached parameters its output has no graph)."""
+def reentrant_checkpoint_in(loss: Tensor) -> bool:
+    """Whether ``loss``'s autograd graph holds a reentrant ``torch.utils.checkpoint`` (whose backward
+    ``torch.autograd.grad`` cannot run: it back-propagates only under ``.backward()``, and on the probes' detached
+    parameters its output has no graph at all)."""
+    seen: set[Any] = set()  # (the nodes themselves: an id could be reused once a node's wrapper is freed)
+    todo = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "_forward_cls", None) is CheckpointFunction:
+            return True
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 REENTRANT_CHECKPOINT = (
@@ -154,29 +166,6 @@ class StepLoss:
         self.device = module.device
 
     def __call__(self, replaced: dict[str, Tensor]) -> Tensor:
-        """The loss to differentiate at the ``replaced`` tensors.
-
-        Raises:
-            ReentrantCheckpoint: the forward ran reentrant activation checkpointing.
-            NoLoss: ``training_step`` returned no loss tensor.
-        """
-        reentrant: list[bool] = []
-
-        def detect(module: nn.Module, args: Any, output: Any) -> None:
-            if not reentrant and not torch.is_grad_enabled() and in_reentrant_checkpoint():
-                reentrant.append(True)
-
-        handle = nn.modules.module.register_module_forward_hook(detect)
-        try:
-            total = self.evaluate(replaced)
-        finally:
-            handle.remove()
-        if reentrant:
-            raise ReentrantCheckpoint
-        return total
-
-    def evaluate(self, replaced: dict[str, Tensor]) -> Tensor:
-        """The loss at the ``replaced`` tensors, for its value (:meth:`__call__` to differentiate it)."""
         # buffers are cloned per call: a BatchNorm in training mode updates them in place
         values = {**self.params, **{k: b.clone() for k, b in self.buffers.items()}, **replaced}
         values = {f"module.{k}": v for k, v in values.items()}
@@ -205,7 +194,7 @@ class StepLoss:
 
         handle = self.wrapper.module.register_forward_hook(lambda m, a, out: apply_to_collection(out, Tensor, keep))
         try:
-            loss = self.evaluate(replaced)
+            loss = self(replaced)
         finally:
             handle.remove()
         return torch.cat([loss.detach().double().reshape(1), *seen])

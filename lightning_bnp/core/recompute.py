@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from lightning_bnp.core.reached import current_task
 
-__all__ = ["Context", "in_reentrant_checkpoint", "remember", "replayed"]
+__all__ = ["Context", "remember", "replayed"]
 
 _FORWARD = CheckpointFunction.forward.__code__
 _ATTRIBUTE = "_bnp_contexts"  # on the checkpoint's ctx: {collection: Context}
@@ -55,11 +55,6 @@ def _checkpoint_ctx() -> Any | None:
             return frame.f_locals.get("ctx")
         frame = frame.f_back  # type: ignore[assignment]
     return None
-
-
-def in_reentrant_checkpoint() -> bool:
-    """Whether the caller runs inside the first, gradient-free run of a reentrant ``torch.utils.checkpoint``."""
-    return not torch.compiler.is_compiling() and _checkpoint_ctx() is not None
 
 
 def remember(owner: object, context: Context) -> bool:
