@@ -185,12 +185,13 @@ class StatisticsCollection:
                     del _OWNERS[module]
 
     def _replayed(self) -> Context | None:
-        """Inside a reentrant checkpoint's recomputation, the context of the forward it recomputes
-        (:mod:`~lightning_bnp.core.recompute`); None otherwise (without a look before any reentrant checkpoint ran)."""
+        """Inside a reentrant checkpoint's recomputation, the context of the module call it recomputes (taken back:
+        call once per module call, :mod:`~lightning_bnp.core.recompute`); None otherwise (without a look before any
+        reentrant checkpoint ran)."""
         return replayed(self) if self.recomputes else None
 
     def _context(self) -> Context:
-        """What a forward call running now is counted under."""
+        """What a module call running now is counted under (once per call, as :meth:`_replayed`)."""
         return self._replayed() or Context(self.collecting, self.masks.mask, self.masks.applies_to)
 
     def _remember(self) -> None:
@@ -263,7 +264,7 @@ class StatisticsCollection:
         """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
         input is captured from an ``F.linear`` call made during the forward (:attr:`LayerKind.captures`)."""
         kind, handles = layer.kind, []
-        started: list[Tensor] = []
+        started: list[tuple[Tensor, Context]] = []
 
         def reduce(module: nn.Module, h: Tensor, out: Tensor) -> Moments:
             # eager: the q, k, v layers of a self-attention reduce their one input once (traced: fused anyway)
@@ -273,35 +274,42 @@ class StatisticsCollection:
                 else _shared_moments(shared, kind, module, h, out)
             )
 
-        def recording() -> bool:
-            if not (module.training and torch.is_grad_enabled()):
-                return False
-            return self._context().collecting and layer.weight.requires_grad
+        def counted_under() -> Context | None:
+            """The context this module call counts under, None if it counts nothing (once per call: a reentrant
+            checkpoint's recomputation takes back one remembered context per call)."""
+            if not module.training:
+                return None
+            if not torch.is_grad_enabled():
+                self._remember()
+                return None
+            context = self._context()
+            return context if context.collecting and layer.weight.requires_grad else None
 
         if kind.captures:
 
             def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-                if recording():
+                context = counted_under()
+                if context is not None:
                     weight = kind.watched(module)  # type: ignore[attr-defined]
                     capturing(weight)
-                    started.append(weight)
+                    started.append((weight, context))
 
             handles.append(register_forward_pre_hook(module, pre_hook))
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if module.training and not torch.is_grad_enabled():
-                self._remember()
             if kind.captures:
                 if not started:
                     return
-                calls = stop_capturing(started.pop())
+                watched, context = started.pop()
+                calls = stop_capturing(watched)
                 if output is None:  # the forward raised (an always_call hook)
                     return
-            elif recording():
-                calls = kind.calls(module, args, kwargs, output)
             else:
-                return
-            weight, context = layer.weight, self._context()
+                found = counted_under()
+                if found is None:
+                    return
+                context, calls = found, kind.calls(module, args, kwargs, output)
+            weight = layer.weight
 
             def record() -> None:
                 for h, out in calls:

@@ -133,3 +133,29 @@ def test_reentrant_checkpointing_in_training_steps_equals_the_plain_model() -> N
 
     for p, q in zip(train(True), train(False)):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_mask_and_a_pause_set_inside_the_checkpointed_function_hold_for_each_call() -> None:
+    """The checkpointed function masks its encoder's call, pauses a second one, and its head sees one pooled row
+    per sequence: each module call of the recomputation counts under the context of the same call of the first
+    run (not, e.g., under the first call's mask for all)."""
+    net, head = _mlp(), nn.Linear(4, 3)
+    pre = BNPPreconditioner(nn.ModuleDict({"encoder": net, "head": head}), statistics="batch")
+    seen = spy_moments(pre)
+    x, mask = padded()
+    x.requires_grad_()
+    real = mask[..., None].float()
+
+    def fn(t: Tensor) -> Tensor:
+        with pre.token_mask(mask):
+            h = net(t)
+        with pre.paused():
+            h = h + 0.1 * net(t * 2)
+        return head((h * real).sum(1) / real.sum(1))
+
+    checkpoint(fn, x, use_reentrant=True).sum().backward()
+    pre.step()
+    check_moments(seen["encoder.0"], x.detach()[mask])
+    with torch.no_grad():
+        h = net(x) + 0.1 * net(x * 2)
+        check_moments(seen["head"], (h * real).sum(1) / real.sum(1))
