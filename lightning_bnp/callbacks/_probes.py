@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.utils.checkpoint import CheckpointFunction
 
 from lightning_bnp.core import metrics as M
 from lightning_bnp.core.layers import ManagedLayer
@@ -40,6 +41,7 @@ __all__ = [
     "learning_rates",
     "neuron_p",
     "raw_statistics",
+    "reentrant_checkpoint_in",
     "silenced_logging",
     "statistics",
     "trainable_weight",
@@ -100,6 +102,33 @@ class ProbeStep:
 
 class NoLoss(Exception):
     """``training_step`` returned no loss tensor (e.g. ``None`` to skip the batch)."""
+
+
+def reentrant_checkpoint_in(loss: Tensor) -> bool:
+    """Whether ``loss``'s autograd graph holds a reentrant ``torch.utils.checkpoint`` (whose backward
+    ``torch.autograd.grad`` cannot run: it back-propagates only under ``.backward()``, and on the probes' detached
+    parameters its output has no graph at all)."""
+    seen: set[Any] = set()  # (the nodes themselves: an id could be reused once a node's wrapper is freed)
+    todo = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "_forward_cls", None) is CheckpointFunction:
+            return True
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+REENTRANT_CHECKPOINT = (
+    "the model uses reentrant activation checkpointing (torch.utils.checkpoint.checkpoint(..., "
+    "use_reentrant=True), or Hugging Face's gradient_checkpointing_enable() with reentrant checkpointing), which "
+    "torch.autograd.grad cannot differentiate: the probes that differentiate the re-evaluated loss (Hessian "
+    "blocks, effective learning rate, landscape, Lanczos) are skipped. Use non-reentrant checkpointing "
+    "(use_reentrant=False; gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})) "
+    "to measure them."
+)
 
 
 class _TrainingStep(nn.Module):

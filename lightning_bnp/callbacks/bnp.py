@@ -22,8 +22,8 @@ Skipped steps. The running statistics computed in a step are committed from the 
 step post-hook (``BNPPreconditioner.step(optimizer)``), which PyTorch runs only when
 ``optimizer.step`` really happens: a step the ``GradScaler`` skips for non-finite gradients leaves
 the statistics untouched. A micro-batch whose ``training_step`` returns ``None`` after its forward
-adds no statistics (they count once the backward reaches the layer's output), and a NaN/Inf sample
-never enters the running statistics (the core's module docstring).
+adds no statistics (they count once a backward reaches the layer's output and accumulates its weight's
+gradient), and a NaN/Inf sample never enters the running statistics (the core's module docstring).
 
 Helpers: which strategies are supported in :mod:`._strategy`; what BNP reads of the data (the last step's
 rows, token masks, the example input of lazy layers) in :mod:`._batches`.

@@ -189,6 +189,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         self._interval = every_n_steps or 0  # resolved at setup: the Trainer's cadence when None; 0 = never
         self._in_dtype = probes.DtypeFallback()  # float64 re-evaluations, or the model's dtype once they fail
         self._warned: set[str] = set()
+        self._reentrant = False  # a recorded step's loss went through reentrant activation checkpointing
 
     # ------------------------------------------------------------------ setup
     @override
@@ -208,6 +209,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         bnps = [cb for cb in trainer.callbacks if isinstance(cb, BatchNormPreconditioning)]  # type: ignore[attr-defined]
         self._bnp = bnps[0] if bnps else None
         self._probe_batch = None
+        self._reentrant = False
         if not trainer.loggers:
             rank_zero_warn("ConditionNumberMonitor: the Trainer has no logger, so nothing will be recorded.")
 
@@ -269,6 +271,11 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             self._captured.append(probes.Captured(batch, batch_idx, torch.get_rng_state(), cuda))
 
     @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._captured and not self._reentrant:  # a step to record: does its loss go through one?
+            self._reentrant = probes.reentrant_checkpoint_in(loss)
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -298,6 +305,9 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
             if self.weight_kappa:
                 metrics.update(weight_kappa_metrics(self._layers, self.max_weight_kappa_size, self._warn_once))
         if not self._captured:
+            return finite_metrics(metrics, self._warn_once)
+        if self._reentrant:  # the probes' torch.autograd.grad cannot run through it
+            self._warn_once("reentrant", probes.REENTRANT_CHECKPOINT)
             return finite_metrics(metrics, self._warn_once)
         if self._probe_batch is None and self.lanczos:  # the fixed probe batch: the first one measured
             self._probe_batch = [c.cloned() for c in self._captured]

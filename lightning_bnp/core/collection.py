@@ -1,25 +1,32 @@
 """Forward statistics: hooks on the managed modules that reduce each training forward call's input to moments and
-add them to the layer's statistics for the next step once the backward pass reaches the call's output; which
-preconditioner owns a module (one at a time), attaching and detaching the hooks, and pausing the collection.
+add them to the layer's statistics for the next step once a backward gives the weight the gradient of the call's
+output; which preconditioner owns a module (one at a time), attaching and detaching the hooks, and pausing the
+collection.
 
-A forward call's statistics count once the backward pass reaches its output (a pre-hook on the output's autograd
-node): a forward whose output gets no gradient adds nothing, and the forward that non-reentrant activation
-checkpointing recomputes during the backward is not counted twice. Under ``torch.compile`` the hooks are traced
-and count at the forward (README "torch.compile").
+When a forward call counts (docs/computation.md "Which forward calls count"). Its moments are held when a backward
+reaches its output (a pre-hook on the output's autograd node) and join the step when that same backward accumulates
+the weight's gradient (a post-accumulate-grad hook on the weight): :mod:`~lightning_bnp.core.reached`. A forward
+whose output gets no gradient, or whose backward accumulates nothing into the weight (``torch.autograd.grad(loss,
+x)`` for adversarial examples or saliency, ``autograd.grad`` with respect to the parameters, ``backward(inputs=...)``
+without the weight) adds nothing; the forward that non-reentrant activation checkpointing recomputes during the
+backward is never reached, and the one that reentrant checkpointing recomputes (the only one back-propagated there)
+counts under the token mask and pause of the forward it recomputes (:mod:`~lightning_bnp.core.recompute`). Under
+``torch.compile`` the hooks are traced and count at the forward (README "torch.compile").
 
-Discarded gradients. Statistics counted belong to the gradient accumulated in the weight's ``.grad``: a hook after
-the weight's gradient accumulation marks a layer's pending statistics as having reached it, and a later count that
-finds ``.grad`` reset to ``None`` (``zero_grad()``, whose default is ``set_to_none=True``) since then drops them
-first — e.g. a GAN's discriminator forward during the generator's step, without ``toggle_optimizer``, whose
-gradient the discriminator's ``zero_grad()`` throws away (issue 37, item 5). Only identity is compared (no tensor
-value, no host read). Not seen: a gradient zeroed in place (``zero_grad(set_to_none=False)``).
+Discarded gradients. Statistics counted belong to the gradient accumulated in the weight's ``.grad``: the hook after
+the weight's gradient accumulation marks a layer's pending statistics as having reached it, and a later forward
+reached by a backward that finds ``.grad`` reset to ``None`` (``zero_grad()``, whose default is
+``set_to_none=True``) since then drops them first — e.g. a GAN's discriminator forward during the generator's step,
+without ``toggle_optimizer``, whose gradient the discriminator's ``zero_grad()`` throws away (issue 37, item 5).
+Only identity is compared (no tensor value, no host read). Not seen: a gradient zeroed in place
+(``zero_grad(set_to_none=False)``).
 
 Other tensors as the weight. ``torch.func.functional_call(model, params, x)`` swaps its own tensors into the
 module for one forward: the hooks record that forward's statistics, but the backward puts the gradient on those
-tensors, not on the weight leaf BNP manages. A counted forward whose module held another tensor than the leaf kept
-at :meth:`~StatisticsCollection.attach` marks the layer (:attr:`ManagedLayer.foreign_weight`, identity only, eager
-only); the step names such a layer when its leaf has no gradient (under FSDP2 the forward's unsharded weight is
-another tensor too, but the gradient reaches the leaf: nothing is said).
+tensors, not on the weight leaf BNP manages. Such a forward counts when the backward accumulates the gradient of
+the tensor it used (its leaf is hooked at the forward), and marks the layer (:attr:`ManagedLayer.foreign_weight`,
+identity only, eager only); the step names such a layer when its leaf has no gradient (under FSDP2 the forward's
+unsharded weight is another tensor too, but the gradient reaches the leaf: nothing is said).
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_bnp.core.attention import capturing, stop_capturing
 from lightning_bnp.core.copies import register_forward_hook, register_forward_pre_hook
-from lightning_bnp.core.layers import ManagedLayer
+from lightning_bnp.core.layers import NO_LEAF, ManagedLayer
+from lightning_bnp.core.reached import BackwardTasks, Reached
+from lightning_bnp.core.recompute import Context, remember, replayed
 from lightning_bnp.core.statistics import Moments
 from lightning_bnp.core.token_masks import TokenMasks
 
@@ -56,6 +65,23 @@ def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, 
     return part
 
 
+def _under(masks: TokenMasks, context: Context, record: Callable[[], None]) -> None:
+    """Run ``record`` with the token mask of ``context`` in force (a recomputed forward's own)."""
+    previous = masks.mask, masks.applies_to
+    masks.mask, masks.applies_to = context.mask, context.applies_to
+    try:
+        record()
+    finally:
+        masks.mask, masks.applies_to = previous
+
+
+def _count(layer: ManagedLayer, reached: Reached) -> None:
+    """A reached forward's statistics join the layer's step."""
+    reached.counted = True
+    layer.add_moments(reached.part)
+    layer.foreign_weight |= reached.foreign
+
+
 class StatisticsCollection:
     """The forward hooks of one preconditioner's layers.
 
@@ -74,13 +100,20 @@ class StatisticsCollection:
         self.settled: dict[str, tuple[weakref.ref[Tensor], Moments]] = {}
         # layer → its weight leaf when attached: a forward that runs with another tensor as the weight is marked
         self.leaves: dict[str, weakref.ref[Tensor]] = {}
+        # layer → the tensors whose gradient accumulation counts its reached forwards: id → (tensor, hook handle)
+        self.watched: dict[str, dict[int, tuple[weakref.ref[Tensor], RemovableHandle]]] = {}
+        self.tasks = BackwardTasks()  # forwards reached by each running backward, not counted yet
+        self.recomputes = False  # a reentrant checkpoint ran a managed module: look for recomputations from then on
 
     def __getstate__(self) -> dict[str, Any]:
         # hook handles stay behind (a copy of the model carries no BNP hooks: core/copies.py)
-        return {**self.__dict__, "handles": [], "settled": {}, "leaves": {}}
+        fresh = {"settled": {}, "leaves": {}, "watched": {}, "tasks": BackwardTasks(), "recomputes": False}
+        return {**self.__dict__, "handles": [], **fresh}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"settled": {}, "leaves": {}, **state})  # (pickled before `settled` existed)
+        # (pickled before `settled`, `watched` existed)
+        fresh = {"settled": {}, "leaves": {}, "watched": {}, "tasks": BackwardTasks(), "recomputes": False}
+        self.__dict__.update({**fresh, **state})
 
     @property
     def attached(self) -> bool:
@@ -126,18 +159,22 @@ class StatisticsCollection:
                 self.handles.append(register_forward_hook(module, self._make_hook(layer), with_kwargs=True))
         for layer in self.layers:
             weight = layer.weight
-            if isinstance(weight, Tensor) and weight.is_leaf and weight.requires_grad:  # (frozen: nothing to track)
-                settle = self._settle_when_accumulated(layer, weight)
-                self.handles.append(weight.register_post_accumulate_grad_hook(settle))
+            if isinstance(weight, Tensor) and weight.is_leaf and weight is not NO_LEAF:
                 self.leaves[layer.name] = weakref.ref(weight)
+                self._watch(layer, weight)  # (frozen: at its first forward once trainable)
 
     def detach(self) -> None:
         """Remove the hooks; statistics of forwards that ran before this call never count."""
         for handle in self.handles:
             handle.remove()
+        for watched in self.watched.values():
+            for _, handle in watched.values():
+                handle.remove()
         self.handles.clear()
         self.settled.clear()
         self.leaves.clear()
+        self.watched.clear()
+        self.tasks.clear()
         self.generation += 1
         for layer in self.layers:
             layer.moments = None
@@ -147,14 +184,25 @@ class StatisticsCollection:
                 if owner is not None and owner() is self:
                     del _OWNERS[module]
 
+    def _replayed(self) -> Context | None:
+        """Inside a reentrant checkpoint's recomputation, the context of the module call it recomputes (taken back:
+        call once per module call, :mod:`~lightning_bnp.core.recompute`); None otherwise (without a look before any
+        reentrant checkpoint ran)."""
+        return replayed(self) if self.recomputes else None
+
+    def _context(self) -> Context:
+        """What a module call running now is counted under (once per call, as :meth:`_replayed`)."""
+        return self._replayed() or Context(self.collecting, self.masks.mask, self.masks.applies_to)
+
+    def _remember(self) -> None:
+        """A training forward call without gradients: a reentrant checkpoint's first run keeps the context."""
+        self.recomputes |= remember(self, self._context())
+
     def _make_hook(self, layer: ManagedLayer) -> Any:
         kind = layer.kind
         moments, layer_input, default_input, input_name = kind.moments, kind.input, kind.default_input, kind.input_name
 
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            # statistics only from training forward passes that build a graph for a gradient
-            if not (self.collecting and module.training and torch.is_grad_enabled()):
-                return
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             weight = layer.weight  # (looked up once per call: a property that follows reparametrizations)
             if not weight.requires_grad:
                 return
@@ -164,6 +212,20 @@ class StatisticsCollection:
                 h = layer_input(module, args, kwargs)
             if isinstance(h, Tensor) and isinstance(output, Tensor):
                 self._record(layer, module, args, kwargs, h, output, moments, weight)
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            # statistics only from training forward passes that build a graph for a gradient
+            if not module.training:
+                return
+            if not torch.is_grad_enabled():
+                self._remember()
+                return
+            replay = self._replayed()
+            if replay is None:
+                if self.collecting:
+                    record(module, args, kwargs, output)
+            elif replay.collecting:  # recomputed by reentrant checkpointing: under its forward's mask
+                _under(self.masks, replay, lambda: record(module, args, kwargs, output))
 
         return hook
 
@@ -180,9 +242,9 @@ class StatisticsCollection:
     ) -> None:
         """Count the moments of one (input, output) pair of a training forward call: ``moments`` reduces ``h`` (on
         ``h.detach()``: it records no graph) unless a token mask applies or ``h`` is nested; they join the step once
-        the backward reaches ``out`` (any one of them, for a tuple: a recurrent layer's sequence and final states),
-        or at once in a traced forward (README, "torch.compile"). ``weight``: the layer's weight attribute as this
-        forward found it."""
+        a backward reaches ``out`` (any one of them, for a tuple: a recurrent layer's sequence and final states) and
+        accumulates the gradient of ``weight``, or at once in a traced forward (README, "torch.compile"). ``weight``:
+        the layer's weight attribute as this forward found it."""
         special = None
         if self.masks.mask is not None or h.is_nested:  # token masks, jagged rows
             special = self.masks.moments_of(layer, module, args, kwargs, h, out)
@@ -195,16 +257,18 @@ class StatisticsCollection:
             # swaps in its own tensors) is not the leaf BNP manages: its gradient lands elsewhere
             leaf = self.leaves.get(layer.name)
             foreign = leaf is not None and weight is not leaf()
-            count = self._count_when_reached(layer, moments(module, h, out) if special is None else special, foreign)
-            for node in nodes:  # (one count: the first node the backward reaches)
+            self._watch(layer, weight)
+            part = moments(module, h, out) if special is None else special
+            hold = self._hold_when_reached(layer, Reached(part, foreign))
+            for node in nodes:  # (held once: by the first of them a backward reaches)
                 if node is not None:
-                    node.register_prehook(count)
+                    node.register_prehook(hold)
 
     def _register_calls_hooks(self, layer: ManagedLayer, module: nn.Module, shared: list[Any]) -> list[RemovableHandle]:
         """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
         input is captured from an ``F.linear`` call made during the forward (:attr:`LayerKind.captures`)."""
         kind, handles = layer.kind, []
-        started: list[Tensor] = []
+        started: list[tuple[Tensor, Context]] = []
 
         def reduce(module: nn.Module, h: Tensor, out: Tensor) -> Moments:
             # eager: the q, k, v layers of a self-attention reduce their one input once (traced: fused anyway)
@@ -214,16 +278,25 @@ class StatisticsCollection:
                 else _shared_moments(shared, kind, module, h, out)
             )
 
-        def recording() -> bool:
-            return self.collecting and module.training and torch.is_grad_enabled() and layer.weight.requires_grad
+        def counted_under() -> Context | None:
+            """The context this module call counts under, None if it counts nothing (once per call: a reentrant
+            checkpoint's recomputation takes back one remembered context per call)."""
+            if not module.training:
+                return None
+            if not torch.is_grad_enabled():
+                self._remember()
+                return None
+            context = self._context()
+            return context if context.collecting and layer.weight.requires_grad else None
 
         if kind.captures:
 
             def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-                if recording():
+                context = counted_under()
+                if context is not None:
                     weight = kind.watched(module)  # type: ignore[attr-defined]
                     capturing(weight)
-                    started.append(weight)
+                    started.append((weight, context))
 
             handles.append(register_forward_pre_hook(module, pre_hook))
 
@@ -231,57 +304,84 @@ class StatisticsCollection:
             if kind.captures:
                 if not started:
                     return
-                calls = stop_capturing(started.pop())
+                watched, context = started.pop()
+                calls = stop_capturing(watched)
                 if output is None:  # the forward raised (an always_call hook)
                     return
-            elif recording():
-                calls = kind.calls(module, args, kwargs, output)
             else:
-                return
+                found = counted_under()
+                if found is None:
+                    return
+                context, calls = found, kind.calls(module, args, kwargs, output)
             weight = layer.weight
-            for h, out in calls:
-                if isinstance(h, Tensor) and (
-                    isinstance(out, Tensor) or (isinstance(out, tuple) and all(isinstance(o, Tensor) for o in out))
-                ):
-                    self._record(layer, module, args, kwargs, h, out, reduce, weight)
+
+            def record() -> None:
+                for h, out in calls:
+                    if isinstance(h, Tensor) and (
+                        isinstance(out, Tensor) or (isinstance(out, tuple) and all(isinstance(o, Tensor) for o in out))
+                    ):
+                        self._record(layer, module, args, kwargs, h, out, reduce, weight)
+
+            _under(self.masks, context, record)
 
         handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
         return handles
 
-    def _count_when_reached(self, layer: ManagedLayer, part: Moments, foreign: bool = False) -> Any:
-        """A pre-hook for the output's autograd node: the forward's statistics join the step when the
-        backward pass reaches the output (once, however often the graph is back-propagated); ``foreign``: the
-        forward used another tensor than the managed weight leaf (:attr:`ManagedLayer.foreign_weight`)."""
-        generation, counted = self.generation, False
+    def _watch(self, layer: ManagedLayer, weight: Tensor) -> None:
+        """Count ``layer``'s reached forwards when a backward accumulates the gradient of ``weight`` (a trainable leaf:
+        the module's own weight, or one a forward ran with — torch.func.functional_call's, FSDP2's unsharded one)."""
+        watched = self.watched.get(layer.name)
+        known = None if watched is None else watched.get(id(weight))
+        if (known is not None and known[0]() is weight) or not (weight.is_leaf and weight.requires_grad):
+            return
+        if watched is None:
+            watched = self.watched[layer.name] = {}
+        for key in [key for key, (ref, _) in watched.items() if ref() is None]:  # (tensors freed since)
+            del watched[key]
+        handle = weight.register_post_accumulate_grad_hook(self._count_when_accumulated(layer))
+        watched[id(weight)] = (weakref.ref(weight), handle)
 
-        def count(grad_outputs: tuple[Tensor | None, ...]) -> None:
-            nonlocal counted
-            if counted or generation != self.generation:
+    def _hold_when_reached(self, layer: ManagedLayer, reached: Reached) -> Any:
+        """A pre-hook for the output's autograd node: when a backward reaches the output, the forward's statistics
+        wait for that backward to accumulate the weight's gradient (:mod:`~lightning_bnp.core.reached`); they count
+        once, however often the graph is back-propagated."""
+        generation = self.generation
+
+        def hold(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            if reached.counted or generation != self.generation:
                 return
-            counted = True
-            settled = self.settled.pop(layer.name, None)
-            # the very statistics that reached the gradient, and the gradient reset since: a discarded gradient's
-            # (statistics counted after the settle — a later step's, a traced forward's — are not those)
-            if (
-                settled is not None
-                and layer.moments is settled[1]
-                and (weight := settled[0]()) is not None
-                and weight.grad is None
-            ):
-                layer.moments = None
-            layer.add_moments(part)
-            layer.foreign_weight |= foreign
+            self._drop_discarded(layer)
+            if not self.tasks.hold(layer.name, reached):  # (no graph task to wait for: counted now)
+                _count(layer, reached)
 
-        return count
+        return hold
 
-    def _settle_when_accumulated(self, layer: ManagedLayer, leaf: Tensor) -> Any:
-        """A post-accumulate-grad hook of the weight ``leaf``: the layer's pending statistics have reached its gradient.
-        Only for ``leaf`` itself: a wrapper that copies the hook to a tensor of its own (FSDP2's unsharded parameter,
-        whose gradient it moves to the sharded one and resets) settles nothing."""
-        ref = weakref.ref(leaf)
+    def _drop_discarded(self, layer: ManagedLayer) -> None:
+        """Drop the statistics that reached the weight's gradient if that gradient was reset since (and nothing was
+        counted after them: statistics counted after the settle — a later step's, a traced forward's — are not a
+        discarded gradient's)."""
+        settled = self.settled.get(layer.name)
+        if (
+            settled is not None
+            and layer.moments is settled[1]
+            and (weight := settled[0]()) is not None
+            and weight.grad is None
+        ):
+            layer.moments = None
+            del self.settled[layer.name]
 
-        def settle(weight: Tensor) -> None:
-            if layer.moments is not None and weight is ref():
-                self.settled[layer.name] = (ref, layer.moments)
+    def _count_when_accumulated(self, layer: ManagedLayer) -> Any:
+        """A post-accumulate-grad hook of a tensor ``layer``'s forwards ran with: what the running backward reached of
+        ``layer`` counts, and, for the managed leaf itself, the layer's statistics have reached its gradient. A
+        wrapper that accumulates a gradient in a tensor of its own and moves it to the leaf (FSDP2's unsharded
+        parameter) counts there and settles nothing."""
 
-        return settle
+        def accumulated(weight: Tensor) -> None:
+            for reached in self.tasks.take(layer.name):
+                if not reached.counted:
+                    _count(layer, reached)
+            leaf = self.leaves.get(layer.name)
+            if layer.moments is not None and leaf is not None and weight is leaf():
+                self.settled[layer.name] = (leaf, layer.moments)
+
+        return accumulated

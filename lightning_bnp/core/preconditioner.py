@@ -26,11 +26,14 @@ equilibrated (μ is kept at 0 for them). A layer whose bias exists but has no gr
 Frozen layers (``weight.requires_grad`` false) record no statistics, and layers whose weight has
 no gradient in a step are skipped and their statistics for that step dropped.
 
-Which forward calls count. A forward call's statistics count for the step once the backward pass
-reaches its output (a pre-hook on the output's autograd node): a forward whose output gets no
-gradient — a ``training_step`` that returns ``None`` after the forward, an output used only for
-logging — adds nothing, and the forward that non-reentrant activation checkpointing recomputes
-during the backward is not counted twice (its recomputed graph is never back-propagated).
+Which forward calls count. A forward call's statistics count for the step once a backward reaches
+its output and accumulates the layer's weight gradient (:mod:`~lightning_bnp.core.reached`): a
+forward whose output gets no gradient — a ``training_step`` that returns ``None`` after the forward,
+an output used only for logging — adds nothing, nor does one whose backward accumulates nothing into
+the weight (``torch.autograd.grad(loss, x)`` for adversarial examples or saliency); the forward that
+non-reentrant activation checkpointing recomputes during the backward is not counted twice (its
+recomputed graph is never back-propagated), and the one reentrant checkpointing recomputes counts
+under the token mask and pause of the forward it recomputes (:mod:`~lightning_bnp.core.recompute`).
 
 Non-finite statistics. A step whose pooled moments of a layer are not finite (a NaN or Inf sample)
 does not update that layer's running statistics (nor its step count): P of that step is built from the

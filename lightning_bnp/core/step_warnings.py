@@ -30,9 +30,10 @@ from lightning_bnp.core.stack import user_stacklevel
 __all__ = ["StepWarnings"]
 
 NEVER_RAN = (
-    "has a gradient but its forward never ran in training mode, or the backward never reached its output, "
-    "since the last step (e.g. its parent uses its weight through F.linear: teach BNP with "
-    "lightning_bnp.core.attention.register_functional_linear; or "
+    "has a gradient but its forward never ran in training mode, or no backward that accumulated its weight's "
+    "gradient reached its output, since the last step (e.g. its parent uses its weight through F.linear: teach "
+    "BNP with lightning_bnp.core.attention.register_functional_linear; or the gradient came from "
+    "torch.autograd.grad, which accumulates nothing, and was assigned to `.grad`: use backward(); or "
     "torch.compile reused a graph compiled without BNP's hooks: README 'Cost'); its gradient is left "
     "untransformed (with statistics pooled over ranks, `sync_statistics`: transformed with the statistics of the "
     "ranks that ran it, untransformed only if none did). Exclude it with `exclude` to silence this warning."

@@ -9,6 +9,7 @@ import math
 import random
 import re
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -831,3 +832,40 @@ def test_resnet110_gets_a_bounded_number_of_custom_scalars_charts(tmp_path: Path
     assert sum(len(category.chart) for category in layout.category) <= 3 * MAX_CHARTS
     regexes = [r for category in layout.category for c in category.chart for r in c.multiline.tag]
     assert all(any(re.match(r, tag) for r in regexes) for tag in tags)
+
+
+class Checkpointed(nn.Module):
+    """A Linear, then a Tanh and a Linear under activation checkpointing."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.use_reentrant = use_reentrant
+        self.first, self.rest = nn.Linear(6, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(self.rest, self.first(x), use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_measures_or_names_reentrant_checkpointing_once(
+    tmp_path: Path, use_reentrant: bool
+) -> None:
+    """Reentrant checkpointing cannot be differentiated by ``torch.autograd.grad``: the probes that need it are
+    skipped with one warning naming the cause and the way out, and the fit goes on (it crashed with "element 0 of
+    tensors does not require grad"); non-reentrant checkpointing is measured."""
+    callbacks = [ConditionNumberMonitor(every_n_steps=1, landscape=True), BatchNormPreconditioning()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _fit(tmp_path, BoringClassifier(Checkpointed(use_reentrant)), make_data(), batch_size=16,
+                       callbacks=callbacks, max_steps=3, logger=CSVLogger(tmp_path))  # fmt: skip
+    named = [str(w.message) for w in caught if "reentrant activation checkpointing" in str(w.message)]
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:  # type: ignore[union-attr]
+        rows = list(csv.DictReader(f))
+    measured = [r for r in rows if r.get("bnp/hessian_kappa/network.rest.1/original")]
+    assert [r for r in rows if r.get("bnp/kappa_D/network.first")]  # what needs no gradient is still measured
+    if use_reentrant:
+        assert len(named) == 1 and "use_reentrant=False" in named[0], named
+        assert not measured
+    else:
+        assert not named and len(measured) == 3

@@ -100,3 +100,55 @@ def test_a_missing_batch_key_is_named(tmp_path: Path) -> None:
         BatchNormPreconditioning(token_mask=3)  # type: ignore[arg-type]
     assert "token_mask='m'" in repr(BatchNormPreconditioning(token_mask="m"))
     assert "token_mask" not in repr(copy.copy(BatchNormPreconditioning()))
+
+
+class Checkpointed(Pooled):
+    """:class:`Pooled` with its encoder under activation checkpointing; ``own``: the training step sets the mask
+    itself (``with preconditioner.token_mask(...)`` around the forward; Lightning runs the backward after it)."""
+
+    def __init__(self, use_reentrant: bool, own: BatchNormPreconditioning | None) -> None:
+        super().__init__()
+        self.use_reentrant, self.own = use_reentrant, own
+
+    @override
+    def forward(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        real = mask[..., None].to(tokens.dtype)
+        # (reentrant checkpointing back-propagates only if an input requires grad)
+        tokens = tokens.detach().requires_grad_(self.use_reentrant)
+        encoded = torch.utils.checkpoint.checkpoint(self.encoder, tokens, use_reentrant=self.use_reentrant)
+        return self.head((encoded * real).sum(1) / real.sum(1))
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self.own is None:
+            return super().training_step(batch, batch_idx)
+        assert self.own.preconditioner is not None
+        with self.own.preconditioner.token_mask(batch["attention_mask"], layers="encoder.*"):
+            return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("how", ["token_mask=", "context in training_step"])
+def test_masks_are_exact_under_activation_checkpointing(tmp_path: Path, use_reentrant: bool, how: str) -> None:
+    """The callback's ``token_mask=`` and a ``with preconditioner.token_mask(...)`` in ``training_step`` (whose
+    backward, and so reentrant checkpointing's recomputation, runs after the context): both end where BNP fed each
+    real sequence alone ends."""
+    items = data()
+    if how == "token_mask=":
+        callback = BatchNormPreconditioning(rho=0.5, token_mask="attention_mask", token_mask_layers="encoder.*")
+        model = Checkpointed(use_reentrant, None)
+    else:
+        callback = BatchNormPreconditioning(rho=0.5)
+        model = Checkpointed(use_reentrant, callback)
+    twin = Pooled()
+    _fit(tmp_path, model, items, batch_size=2, callbacks=[callback], max_epochs=1, accumulate_grad_batches=2)  # type: ignore[arg-type]
+    ref = reference(twin, items, micro=2, accumulate=2)
+    pre = callback.preconditioner
+    assert pre is not None
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    for name, layer in pre.layers.items():
+        assert layer.running.steps == ref.layers[name].running.steps == 2
+        want = ref.layers[name].running
+        torch.testing.assert_close(layer.running.mean_acc.cpu(), want.mean_acc, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(layer.running.var_acc.cpu(), want.var_acc, rtol=1e-6, atol=1e-6)

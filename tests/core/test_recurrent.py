@@ -576,3 +576,18 @@ def test_an_unbatched_sequence_and_an_unbatched_cell_are_one_sample() -> None:
 def _once(module: nn.Module, x: Tensor, h0: Tensor, c0: Tensor) -> tuple[Tensor, Tensor]:
     output = module(x, (h0, c0))
     return random_loss(output), output[0]
+
+
+def test_a_cell_whose_two_outputs_reach_the_loss_counts_its_call_once() -> None:
+    """An ``LSTMCell``'s h and c come from two autograd nodes: a backward that reaches both holds the call's rows once
+    (5 rows, not 10), and they count when the weights' gradients accumulate."""
+    torch.manual_seed(0)
+    cell = nn.LSTMCell(3, 4)
+    pre = BNPPreconditioner(cell)
+    h, c = cell(torch.randn(5, 3))
+    assert h.grad_fn is not c.grad_fn
+    (h.square().sum() + c.square().sum()).backward()
+    assert {name: (layer.moments.rows, layer.moments.samples) for name, layer in pre.layers.items()} == {
+        "ih": (5, 5),
+        "hh": (5, 5),
+    }

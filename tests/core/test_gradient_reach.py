@@ -1,0 +1,177 @@
+"""Only the forward calls behind the gradient count (issue 45, item 1): a backward that reaches a forward's output
+but accumulates nothing into the weight — ``torch.autograd.grad(loss, x)`` for FGSM/PGD or a saliency map,
+``autograd.grad`` with respect to the parameters, ``backward(inputs=...)`` without the weight — adds none of its
+rows. Each case is compared with the same run without that forward (or with a plain-torch reduction of the rows
+that are behind the gradient), exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_bnp import BNPPreconditioner
+from lightning_bnp.core import BNPWarning
+from tests.helpers import spy_moments
+
+STEPS, BATCH = 3, 5
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def _batch(step: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(BATCH, 4, generator=g, dtype=torch.float64) * torch.tensor([0.1, 1.0, 3.0, 10.0]) + 0.5
+    return x, torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def _fgsm(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    x = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(F.cross_entropy(net(x), y), x)
+    return (x + 0.1 * grad.sign()).detach()
+
+
+def _sgd(net: nn.Module) -> None:
+    with torch.no_grad():
+        for p in net.parameters():
+            p -= 0.1 * p.grad  # type: ignore[operator]
+
+
+def _adversarial(*, hidden_from_bnp: bool) -> tuple[nn.Module, BNPPreconditioner]:
+    """FGSM adversarial training; ``hidden_from_bnp``: the reference, whose attack runs with BNP paused."""
+    net = _net()
+    pre = BNPPreconditioner(net)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        if hidden_from_bnp:
+            with pre.paused():
+                x = _fgsm(net, x, y)
+        else:
+            x = _fgsm(net, x, y)  # train mode, the hooks see it: its backward reaches every output
+        net.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        pre.step()
+        _sgd(net)
+    return net, pre
+
+
+def _assert_same(a: tuple[nn.Module, BNPPreconditioner], b: tuple[nn.Module, BNPPreconditioner]) -> None:
+    for p, q in zip(a[0].parameters(), b[0].parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for layer, ref in zip(a[1].layers.values(), b[1].layers.values()):
+        assert layer.running.steps == ref.running.steps == STEPS
+        torch.testing.assert_close(layer.running.mu, ref.running.mu, rtol=0, atol=0)
+        torch.testing.assert_close(layer.running.var, ref.running.var, rtol=0, atol=0)
+
+
+def test_fgsm_adversarial_training_counts_only_the_training_forward() -> None:
+    """The attack's ``autograd.grad(loss, x)`` reaches every layer's output but accumulates no weight's gradient:
+    the run equals one whose attack BNP never saw (before the fix the attack's rows doubled N)."""
+    _assert_same(_adversarial(hidden_from_bnp=False), _adversarial(hidden_from_bnp=True))
+
+
+def _layer_moments(net: nn.Sequential, seen: dict, x: Tensor) -> None:  # type: ignore[type-arg]
+    """The moments each layer brought to the latest step are those of ``x``'s forward alone (plain torch)."""
+    inputs = {"0": x, "2": torch.tanh(net[0](x))}
+    for name, h in inputs.items():
+        m = seen[name]
+        assert int(m.rows) == BATCH
+        torch.testing.assert_close(m.mean, h.detach().mean(0), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(m.var, h.detach().var(0, unbiased=False), rtol=1e-12, atol=1e-12)
+
+
+def test_a_saliency_probe_between_steps_adds_nothing() -> None:
+    """An input-gradient probe in train mode after a step (a callback's saliency map): the next step's moments
+    are those of its own batch."""
+    net = _net()
+    pre = BNPPreconditioner(net)
+    seen = spy_moments(pre)
+    probe = _batch(10)[0].requires_grad_()
+    for step in range(2):
+        x, y = _batch(step)
+        (saliency,) = torch.autograd.grad(net(probe).max(1).values.sum(), probe)
+        assert saliency.shape == probe.shape
+        net.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        pre.step()
+        _layer_moments(net, seen, x)
+        _sgd(net)
+
+
+def test_autograd_grad_of_the_parameters_counts_nothing_and_a_later_backward_counts_once() -> None:
+    """``autograd.grad`` with respect to the parameters returns the gradient instead of accumulating it: nothing
+    counts; back-propagating the same graph again (``retain_graph``) with ``backward()`` counts its rows once,
+    as does a third pass."""
+    net = _net()
+    pre = BNPPreconditioner(net)
+    seen = spy_moments(pre)
+    x, y = _batch(0)
+    loss = F.cross_entropy(net(x), y)
+    torch.autograd.grad(loss, list(net.parameters()), retain_graph=True)
+    assert all(layer.moments is None for layer in pre.layers.values())
+    loss.backward(retain_graph=True)
+    loss.backward()
+    pre.step()
+    _layer_moments(net, seen, x)
+
+
+def test_a_gradient_penalty_counts_its_forward_once() -> None:
+    """``autograd.grad(..., x, create_graph=True)`` then ``backward()`` of a loss with that gradient in it (WGAN-GP,
+    input-gradient regularisation): the first pass accumulates nothing, the second counts the forward once."""
+    net = _net()
+    pre = BNPPreconditioner(net)
+    seen = spy_moments(pre)
+    x, y = _batch(0)
+    x.requires_grad_()
+    loss = F.cross_entropy(net(x), y)
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+    (loss + grad.square().sum()).backward()
+    pre.step()
+    _layer_moments(net, seen, x)
+
+
+def test_a_backward_that_leaves_the_weight_out_drops_its_forward() -> None:
+    """``loss.backward(inputs=[first layer's parameters])`` reaches the last layer's output but gives its weight no
+    gradient: the last layer's statistics stay empty, the first layer's count."""
+    net = _net()
+    pre = BNPPreconditioner(net)
+    x, y = _batch(0)
+    F.cross_entropy(net(x), y).backward(inputs=list(net[0].parameters()))
+    assert net[2].weight.grad is None and net[0].weight.grad is not None
+    assert pre.layers["2"].moments is None
+    assert pre.layers["0"].moments is not None and int(pre.layers["0"].moments.rows) == BATCH
+    torch.testing.assert_close(pre.layers["0"].moments.mean, x.mean(0), rtol=1e-12, atol=1e-12)
+
+
+def test_a_layer_frozen_at_construction_counts_once_trainable() -> None:
+    """A weight frozen when BNP attached (no gradient hook then) that is made trainable later (fine-tuning that
+    unfreezes a backbone) counts its forwards as any other."""
+    net = _net()
+    net[0].requires_grad_(False)
+    pre = BNPPreconditioner(net)
+    seen = spy_moments(pre)
+    net[0].requires_grad_(True)
+    x, y = _batch(0)
+    F.cross_entropy(net(x), y).backward()
+    pre.step()
+    _layer_moments(net, seen, x)
+
+
+def test_a_gradient_from_autograd_grad_assigned_to_grad_is_named_at_the_step() -> None:
+    """A loop that computes the gradient with ``autograd.grad`` and assigns it to ``.grad``: no backward accumulated
+    the weights' gradients, so no statistics count; the step names each layer and the cause, and transforms
+    nothing."""
+    net = _net()
+    pre = BNPPreconditioner(net)
+    x, y = _batch(0)
+    params = list(net.parameters())
+    for p, g in zip(params, torch.autograd.grad(F.cross_entropy(net(x), y), params)):
+        p.grad = g
+    with pytest.warns(BNPWarning, match=r"torch\.autograd\.grad, which accumulates nothing") as caught:
+        pre.step()
+    assert sorted(name for name in pre.layers if any(f"'{name}'" in str(w.message) for w in caught)) == ["0", "2"]
+    assert all(layer.transform is None for layer in pre.layers.values())
