@@ -76,7 +76,8 @@ class FeatureLayout:
         # the floor's segments: one per layer, or one per run of column blocks (their features are consecutive)
         self.floor_lengths: Tensor | None = None
         self.floor_owner: Tensor | None = None
-        self.floor_of_layer: Tensor | None = None
+        self._floor_tail_lengths: Tensor | None = None
+        self._floor_gather: Tensor | None = None
         if floor_runs:
             inside = {i for first, n in floor_runs for i in range(first + 1, first + n)}  # not a run's first
             floor_of_layer: list[int] = []
@@ -86,9 +87,12 @@ class FeatureLayout:
                     lengths.append(0)
                 floor_of_layer.append(len(lengths) - 1)
                 lengths[-1] += size
-            self.floor_of_layer = torch.tensor(floor_of_layer, device=device)
             self.floor_lengths = torch.tensor(lengths, device=device)
-            self.floor_owner = self.floor_of_layer.index_select(0, self.owner)
+            self.floor_owner = torch.tensor(floor_of_layer, device=device).index_select(0, self.owner)
+            # floor_entries: the segments of [v ; d] (each run's v, then each layer's d alone), and where each
+            # entry's run max and layer's d sit in the reduced vector
+            self._floor_tail_lengths = torch.cat([self.floor_lengths, torch.ones_like(self.lengths)])
+            self._floor_gather = torch.cat([self.floor_owner, self.owner + len(lengths)])
 
     def per_layer(self, values: Sequence[float]) -> Tensor:
         """A vector holding ``values[l]`` on every entry of layer l."""
@@ -112,12 +116,20 @@ class FeatureLayout:
         runs = torch.segment_reduce(flat, "max", lengths=self.floor_lengths, unsafe=True)
         return runs.index_select(0, self.floor_owner)  # type: ignore[arg-type]
 
-    def floor_max(self, flat: Tensor) -> Tensor:
-        """:meth:`segment_max`, one per layer, where each run of column blocks has its run's max (``floor_runs``)."""
-        if self.floor_lengths is None:
-            return self.segment_max(flat)
-        runs = torch.segment_reduce(flat, "max", lengths=self.floor_lengths, unsafe=True)
-        return runs.index_select(0, self.floor_of_layer)  # type: ignore[arg-type]
+    def floor_entries(self, state: Tensor, alpha: float) -> Tensor:
+        """Per entry, max v + alpha·d of its layer, v and d the last two parts of a running state [m ; v ; d]
+        (``state_sizes``): the max over the layer's entries, or over its run's (``floor_runs``: the column blocks
+        of one layer share the floor), d its layer's own. Four launches with runs or without: with runs one
+        ``segment_reduce`` of [v ; d] gives each run's max and (segments of one entry) each layer's d, one
+        ``index_select`` brings both onto the entries."""
+        var_acc = state.narrow(0, self.total, self.total)
+        decay = state.narrow(0, 2 * self.total, len(self.sizes))
+        if self._floor_tail_lengths is None or self._floor_gather is None:
+            return torch.add(self.segment_max(var_acc), decay, alpha=alpha).index_select(0, self.owner)
+        tail = state.narrow(0, self.total, self.total + len(self.sizes))  # [v ; d], one view
+        reduced = torch.segment_reduce(tail, "max", lengths=self._floor_tail_lengths, unsafe=True)
+        run_max, layer_decay = reduced.index_select(0, self._floor_gather).view(2, self.total)
+        return torch.add(run_max, layer_decay, alpha=alpha)
 
     def segment_max(self, flat: Tensor) -> Tensor:
         """max over each layer's entries, one per layer (NaN where a layer has a NaN entry)."""

@@ -124,8 +124,8 @@ def step_math(
             var_t = var_tilde(var, config.eps1, config.eps2, maxima=layout.layer_max(var))
         else:  # the paper's view σ² = v + ρ^t; σ̃² = σ² + ε1·max σ² + ε2 = v + ε1·(max v + ρ^t·(1 + ε1)/ε1 + ε2/ε1)
             # = v + ε1·(max v + d·(1 + ε1)/ε1) with d = ρ^t + ε2/(1 + ε1): the ε2 term rides in d (one op less)
-            floor = torch.add(layout.floor_max(var_acc), decay, alpha=(1.0 + config.eps1) / config.eps1)
-            mu, var_t = mean_acc, torch.add(var_acc, floor.index_select(0, layout.owner), alpha=config.eps1)
+            floor = layout.floor_entries(after, (1.0 + config.eps1) / config.eps1)  # max v + d·(1 + ε1)/ε1
+            mu, var_t = mean_acc, torch.add(var_acc, floor, alpha=config.eps1)
     q2_out = peak
     if counts is not None:
         assert ran is not None and fan_in is not None

@@ -446,6 +446,34 @@ def test_statistics_cost_at_most_a_conv2d_of_the_same_sizes() -> None:
         assert t_channel.calls <= c_channel.calls + 2, (t_channel.by_name, c_channel.by_name)
 
 
+class _Block(nn.Module):
+    """One (16 → 8, k 4, stride 2, padding 1) transposed convolution, or a Conv2d in its place, and a Linear head."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.conv = nn.ConvTranspose2d(16, 8, 4, 2, 1) if transposed else nn.Conv2d(16, 8, 3, padding=1)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def test_a_step_costs_a_conv2d_step_plus_the_two_calls_of_the_rho_scaling() -> None:
+    """Per training step (``benchmarks.op_count``, forward to ``opt.step()``): BNP adds to a transposed convolution's
+    step what it adds with a Conv2d in its place, plus the per-channel form's ρ scaling (one ``addcmul_``, one fused
+    ``_foreach_mul_``): docs "Transposed convolutions" say why no form tried saves them; no host read."""
+    from benchmarks.op_count import added_cost
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 16, 8, 8, generator=g), torch.randint(5, (4,), generator=g)
+    tconv, _ = added_cost(lambda: _Block(True), x, y)
+    conv, _ = added_cost(lambda: _Block(False), x, y)
+    assert tconv.host_reads == conv.host_reads == 0
+    extra = {name: tconv.by_name[name] - conv.by_name[name] for name in tconv.by_name | conv.by_name}
+    assert {name: n for name, n in extra.items() if n} == {"aten::addcmul_": 1, "aten::_foreach_mul_": 1}
+    assert tconv.calls == conv.calls + 2  # 26 and 24 today
+
+
 def test_grouped_warning_is_silenced_by_exclude() -> None:
     model = nn.Sequential(nn.ConvTranspose2d(4, 4, 2, groups=2), nn.Linear(3, 3))
     with warnings.catch_warnings():
