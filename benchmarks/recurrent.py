@@ -16,7 +16,6 @@ larger of the two spreads (max − min over seeds), behind where higher by as mu
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import platform
@@ -31,48 +30,16 @@ from torch import Tensor, nn
 
 from benchmarks import worker_processes
 from benchmarks.reproduce.sections import extract_section, splice_section
+from example_projects.char_text import EMBED, HIDDEN, MODULES, CharRNN, corpus, text_splits
 from lightning_bnp.core import BNPPreconditioner
 
 __all__ = ["CharRNN", "corpus", "extract", "main", "section"]
 
 ROOT = Path(__file__).parent
 HEADER = "## 8. Recurrent layers: a character-level LSTM and GRU"
-MODULES = (
-    *("argparse", "collections", "difflib", "functools", "json", "logging", "pathlib", "shutil", "string"),
-    *("textwrap", "statistics", "fractions", "calendar", "heapq", "bisect", "pprint", "random", "itertools"),
-)
-WINDOW, EMBED, HIDDEN, CLIP = 32, 32, 128, 5.0
+WINDOW, CLIP = 32, 5.0
 LRS = {"vanilla": (0.1, 0.3, 1.0, 3.0), "BNP": (0.1, 0.3, 1.0, 3.0), "Adam": (1e-3, 3e-3, 1e-2)}
 SETTINGS = (("LSTM", 32, 1500), ("GRU", 32, 1500), ("LSTM", 1, 3000), ("GRU", 1, 3000))  # (cell, batch, steps)
-
-
-def corpus() -> str:
-    """The docstrings of :data:`MODULES` and of their public classes and functions, in a fixed order."""
-    import importlib
-
-    parts = []
-    for name in MODULES:
-        module = importlib.import_module(name)
-        parts.append(inspect.getdoc(module) or "")
-        for attribute in sorted(vars(module)):
-            value = getattr(module, attribute)
-            if not attribute.startswith("_") and (inspect.isclass(value) or inspect.isfunction(value)):
-                if getattr(value, "__module__", None) == name:
-                    parts.append(inspect.getdoc(value) or "")
-    return "\n\n".join(p for p in parts if p)
-
-
-class CharRNN(nn.Module):
-    """Embedding → one-layer ``cell`` (``"LSTM"`` or ``"GRU"``) → linear read-out of the next character."""
-
-    def __init__(self, cell: str, vocabulary: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocabulary, EMBED)
-        self.rnn = (nn.LSTM if cell == "LSTM" else nn.GRU)(EMBED, HIDDEN, batch_first=True)
-        self.head = nn.Linear(HIDDEN, vocabulary)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.head(self.rnn(self.embed(tokens))[0])
 
 
 @dataclass(frozen=True)
@@ -87,11 +54,8 @@ class Job:
 
 
 def _splits() -> tuple[Tensor, Tensor, Tensor, int]:
-    text = corpus()
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text], dtype=torch.int64)
-    a, b = int(0.8 * len(data)), int(0.9 * len(data))
-    return data[:a], data[a:b], data[b:], len(chars)
+    splits, vocabulary = text_splits()
+    return splits["train"], splits["val"], splits["test"], vocabulary
 
 
 def _bpc(model: nn.Module, data: Tensor, limit: int) -> float:

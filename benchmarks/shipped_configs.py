@@ -7,9 +7,11 @@ into the repository, and prints a Markdown table (also written to ``benchmarks/o
 data that ran, epochs and steps, the last training loss, the last validation accuracy and a verdict. A run
 *diverged* when its training loss is not finite or exceeds 1e3, or its final validation accuracy is at chance
 (≤ 15%; a language model, which logs no accuracy: its validation loss is no better than the uniform guess,
-ln 256). ``--max-epochs`` caps a config's ``trainer.max_epochs`` (for the 164-epoch ResNets on a CPU); every
-capped row says so. A config on several devices (``fsdp2``: 2 CPU processes) is fitted by this module run again in a
-subprocess on that one config (``--one``), since Lightning starts the other ranks by running the same command again.
+ln 256, or its bits per character no better than log2 of its vocabulary; an autoencoder: its validation
+reconstruction error is no better than an all-zero output's). ``--max-epochs`` caps a config's
+``trainer.max_epochs`` (for the 164-epoch ResNets on a CPU); every capped row says so. A config on several devices
+(``fsdp2``: 2 CPU processes) is fitted by this module run again in a subprocess on that one config (``--one``),
+since Lightning starts the other ranks by running the same command again.
 """
 
 from __future__ import annotations
@@ -76,7 +78,14 @@ def run(config: Path, max_epochs: int | None) -> dict[str, object]:
     seconds = time.perf_counter() - start
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     loss = metrics.get("train/loss", metrics.get("train/loss_epoch", math.nan))
-    if "val/acc" in metrics or "val/loss" not in metrics:
+    if "val/bpc" in metrics:  # char_rnn: bits per character against the uniform guess over its characters
+        val = metrics["val/bpc"]
+        chance = not val < math.log2(cli.datamodule.vocabulary)
+    elif project == "autoencoder":  # reconstruction error against an all-zero output, mean x² of the validation images
+        val = metrics.get("val/loss", math.nan)
+        images = cli.datamodule.splits["val"]
+        chance = not val < sum(float(images[i][0].square().mean()) for i in range(len(images))) / len(images)
+    elif "val/acc" in metrics or "val/loss" not in metrics:
         val = metrics.get("val/acc", math.nan)
         chance = not val > CHANCE_LIMIT
     else:  # a language model (the transformer project's char-LM): validation loss against the uniform guess
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             os.chdir(here)
     lines = [
-        "| config | data | epochs | steps | last train loss | last val acc (LM: val loss) | verdict | minutes |",
+        "| config | data | epochs | steps | last train loss | last val acc (LM: val loss or bpc; AE: MSE) | verdict | "
+        "minutes |",
         "|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['config']} | {r['data']} | {r['epochs']} | {r['steps']} | {r['loss']:.3g} | {r['val']:.3f} | "

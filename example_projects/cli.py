@@ -4,8 +4,9 @@ Each project's ``__main__`` calls :func:`run_cli` with its LightningModule. The 
 
 * uses :class:`~example_projects.data.ImageDataModule` as the data (``data.*`` in YAML), with the
   project's preferred torchvision dataset for ``data.dataset: auto``;
-* links the data's ``input_shape`` and ``num_classes`` into the model when both are built, so a
-  model trains on the 1×28×28 offline MNIST digits, 1×28×28 MNIST or 3×32×32 CIFAR-10 without any config change;
+* links the data's ``input_shape`` and ``num_classes`` into the model when both are built (``links``: the ones the
+  model takes; an autoencoder has no classes), so a model trains on the 1×28×28 offline MNIST digits, 1×28×28 MNIST
+  or 3×32×32 CIFAR-10 without any config change;
 * logs to TensorBoard under ``runs/<project>`` unless the config names another logger.
 
 Callbacks such as ``lightning_bnp.BatchNormPreconditioning`` are named in YAML under
@@ -31,6 +32,7 @@ class ProjectCLI(LightningCLI):
         model_class: the project's LightningModule (not subclass mode: its arguments are ``model.*``).
         project: the name used for the default TensorBoard directory ``runs/<project>``.
         prefer: the torchvision dataset ``data.dataset: auto`` looks for.
+        links: the data's attributes linked into the model's arguments of the same name.
         args: command-line arguments (``None``: ``sys.argv``), e.g. ``["fit", "--config", "cfg.yaml"]``.
         run: run the subcommand (``False``: only parse and instantiate; ``args`` then has no subcommand).
     """
@@ -41,10 +43,11 @@ class ProjectCLI(LightningCLI):
         *,
         project: str,
         prefer: TorchvisionName,
+        links: tuple[str, ...] = ("input_shape", "num_classes"),
         args: ArgsType = None,
         run: bool = True,
     ) -> None:
-        self.project, self.prefer = project, prefer
+        self.project, self.prefer, self.links = project, prefer, links
         trainer_defaults: dict[str, Any] = {
             "logger": {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -64,8 +67,8 @@ class ProjectCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults({"data.prefer": self.prefer})
-        parser.link_arguments("data.input_shape", "model.input_shape", apply_on="instantiate")
-        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
+        for name in self.links:
+            parser.link_arguments(f"data.{name}", f"model.{name}", apply_on="instantiate")
 
 
 def run_cli(
@@ -74,7 +77,8 @@ def run_cli(
     *,
     project: str,
     prefer: TorchvisionName,
+    links: tuple[str, ...] = ("input_shape", "num_classes"),
     run: bool = True,
 ) -> ProjectCLI:
     """Build (and by default run) the project's CLI; returns it so tests can inspect the trainer and model."""
-    return ProjectCLI(model_class, project=project, prefer=prefer, args=args, run=run)
+    return ProjectCLI(model_class, project=project, prefer=prefer, links=links, args=args, run=run)

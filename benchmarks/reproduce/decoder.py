@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from benchmarks import worker_processes
 from benchmarks.reproduce.sections import extract_section, splice_section
 from benchmarks.reproduce.selection import mean
+from example_projects.decoders import conv_autoencoder
 from example_projects.mnist5k import load_mnist5k_splits
 from lightning_bnp.core import BNPPreconditioner
 
@@ -88,13 +89,9 @@ def data() -> dict[str, tuple[Tensor, Tensor]]:
 
 
 def autoencoder(method: str) -> nn.Sequential:
-    """The network; ``BN`` puts BatchNorm2d after the decoder's reshape and its first transposed convolution."""
-    bn = method == "BN"
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 32 * 7 * 7), nn.Unflatten(1, (32, 7, 7)),
-        nn.BatchNorm2d(32) if bn else nn.Identity(), nn.ReLU(), nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1),
-        nn.BatchNorm2d(16) if bn else nn.Identity(), nn.ReLU(), nn.ConvTranspose2d(16, 1, 4, stride=2, padding=1),
-    )  # fmt: skip
+    """The network (the ``autoencoder`` example's); ``BN`` puts BatchNorm2d after the decoder's reshape and its first
+    transposed convolution."""
+    return conv_autoencoder(norm="bn" if method == "BN" else "none")
 
 
 def error(net: nn.Module, split: str, samples: int) -> float:

@@ -130,7 +130,7 @@ class CharLMModule(pl.LightningModule):
         return make_optimizer(self, self.optimizer_name, self.lr, self.momentum, self.weight_decay)
 
 
-class _Windows(Dataset[tuple[Tensor, Tensor]]):
+class Windows(Dataset[tuple[Tensor, Tensor]]):
     """Non-overlapping windows of ``context`` + 1 bytes: (input, next bytes)."""
 
     def __init__(self, ids: Tensor, context: int) -> None:
@@ -180,7 +180,7 @@ class CorpusDataModule(pl.LightningDataModule):
             self.splits = corpus_splits(torch_corpus(self.max_bytes))
 
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
-        return DataLoader(_Windows(self.splits[split], self.context), batch_size=batch_size, shuffle=shuffle)
+        return DataLoader(Windows(self.splits[split], self.context), batch_size=batch_size, shuffle=shuffle)
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -38,6 +38,8 @@ PROJECTS = (
     "weight_conditioning",
     "fsdp2",
     "transformer",
+    "autoencoder",
+    "char_rnn",
 )
 CONFIGS = sorted(ROOT.glob("example_projects/*/configs/*.yaml"))
 # fast_dev_run only: CIFAR ResNet configs run at depth 8 (their own depth, 20 or 110, is checked by the print test),
@@ -72,11 +74,14 @@ def _cli_main(project: str) -> Callable[..., ProjectCLI]:
 
 def _data_args(args: tuple[str, ...]) -> list[str]:
     """The offline digits and a 50-image validation batch (fast_dev_run's one batch: 50 images, not 500); for the
-    transformer project's character-level LM (its data names no ``dataset``) the first 200 kB of its corpus."""
+    transformer project's character-level LM (its data names no ``dataset``) the first 200 kB of its corpus; for
+    ``char_rnn``'s text (no ``dataset`` either) a 50-window validation batch."""
     config = Path(args[args.index("--config") + 1]) if "--config" in args else None
     data = yaml.safe_load(config.read_text()).get("data", {}) if config else {}
     if str(data.get("class_path", "")).endswith("CorpusDataModule"):
         return ["--data.eval_batch_size=50", "--data.max_bytes=200000"]
+    if config is not None and _project(config) == "char_rnn":
+        return ["--data.eval_batch_size=50"]
     return ["--data.dataset=mnist5k", "--data.eval_batch_size=50"]
 
 
