@@ -182,7 +182,10 @@ def main(argv: list[str] | None = None) -> None:
         for seed in range(seeds)
     ]
     start = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=worker_processes("benchmarks.recurrent")) as pool:
+    # the fork server preloads the text and the network (torch with them), not this module: run as
+    # `python -m benchmarks.recurrent`, the server imports this module as the workers' __main__ itself, and a
+    # preloaded copy would be imported twice (runpy's RuntimeWarning)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=worker_processes("example_projects.char_text")) as pool:
         results = list(pool.map(task, jobs, chunksize=1))
     seconds = time.perf_counter() - start
     train, valid, test, vocabulary = _splits()
