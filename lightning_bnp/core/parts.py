@@ -10,7 +10,7 @@ lives here, so that the front reads as the list of what a user can do.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -49,7 +49,7 @@ class Settings(Protocol):
     rho: float
     eps1: float
     eps2: float
-    statistics: str
+    statistics: Literal["running", "batch"]
     bias_correction: bool
     sync_statistics: bool
     process_group: Any
