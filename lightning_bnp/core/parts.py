@@ -127,18 +127,18 @@ def step_with_optimizer(
     step: PreconditionerStep,
     commits: OptimizerCommits,
     late: LateLayers | None,
-    precondition: Callable[[list[Tensor]], PendingUpdate],
+    precondition: Callable[..., PendingUpdate],
 ) -> None:
     """:meth:`BNPPreconditioner.step` given an optimizer (possibly wrapped: its commit follows the wrappers,
     :func:`~lightning_bnp.core.pending.unwrap_optimizer`): transform the gradients of the layers it owns with
-    ``precondition`` (which does not commit) and defer the running-statistics update to its ``step()``. Asked again
+    ``precondition(owned, commit=False)`` and defer the running-statistics update to its ``step()``. Asked again
     before that ``step()`` with no backward since, it does nothing."""
     owned = [p for group in optimizer.param_groups for p in group["params"]]
     if late is not None:
         late.check(optimizer, owned)  # layers made after set-up whose parameters it holds are named
     if commits.pending(optimizer) is not None and step.repeated(layers, owned):
         return  # asked for again before `optimizer.step()` (e.g. by the training_step and by the callback)
-    commits.defer(optimizer, precondition(owned))
+    commits.defer(optimizer, precondition(owned, commit=False))  # stored by the optimizer's step()
 
 
 def checked_params(params: Any) -> Iterable[Tensor] | None:

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
-from functools import partial
 from typing import Any, Literal
 
 from torch import Tensor, nn
@@ -354,8 +353,7 @@ class BNPPreconditioner(ArgumentsRepr):
         if not self.attached:  # (before `defer`: a detached preconditioner hooks no optimizer)
             self._warnings.warn_detached(self._collection.generation, "step")
         elif isinstance(params, Optimizer):
-            later = partial(self.precondition, commit=False)  # stored by the optimizer's step()
-            step_with_optimizer(params, self._layer_list, self._step, self._commits, self._late, later)
+            step_with_optimizer(params, self._layer_list, self._step, self._commits, self._late, self.precondition)
         else:
             self.precondition(checked_params(params), commit=True)
 
