@@ -29,14 +29,13 @@ buffers (gradients come from ``torch.autograd.grad``, never ``.grad``), with BNP
 objects that ``training_step`` updates (e.g. torchmetrics) are updated again by the probes.
 Each kind of metric has its private module: :mod:`._layer_kappas` (κ(D), weight κ), :mod:`._hessian_block`,
 :mod:`._scale_invariance`, :mod:`._landscape` (landscape, Lanczos), :mod:`._pictures` (histograms, heatmaps);
-the loss re-evaluation in :mod:`._probes`; the loggers and the TensorBoard layout in :mod:`._logging`. This
-module decides when they run.
+the loss re-evaluation in :mod:`._probes`; the loggers and the TensorBoard layout in :mod:`._logging`; the argument
+checks and the layer selection in :mod:`._monitor_setup`. This module decides when they run.
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack, nullcontext
-from fnmatch import fnmatchcase
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -60,13 +59,13 @@ from lightning_bnp.callbacks._logging import (
     log_metrics,
     log_tensorboard,
 )
+from lightning_bnp.callbacks._monitor_setup import check_arguments, hessian_layer_names, selected_layers
 from lightning_bnp.callbacks._pictures import HeatmapHistory, bnp_histograms, finite_histograms
 from lightning_bnp.callbacks._scale_invariance import find_scale_invariant, scale_invariance_metrics
 from lightning_bnp.callbacks._strategy import shards_rows
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.preconditioner import BNPPreconditioner
-from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_int, check_patterns
 
 __all__ = ["ConditionNumberMonitor"]
 
@@ -147,27 +146,14 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         spectra: bool = True,
         heatmaps: bool = True,
     ) -> None:
-        if every_n_steps is not None:
-            check_int("every_n_steps", every_n_steps, low=1)
-        for name, value, low in (
-            ("neuron", neuron, 0),
-            ("max_hessian_size", max_hessian_size, 1),
-            ("max_weight_kappa_size", max_weight_kappa_size, 1),
-            ("lanczos_iters", lanczos_iters, 1),
-        ):
-            check_int(name, value, low=low)
-        layers, hessian_layers = check_patterns("layers", layers), check_patterns("hessian_layers", hessian_layers)
         flags = dict(kappa_d=kappa_d, hessian_block=hessian_block, weight_kappa=weight_kappa, effective_lr=effective_lr)
         flags.update(lanczos=lanczos, landscape=landscape, histograms=histograms, spectra=spectra, heatmaps=heatmaps)
-        for name, flag in flags.items():
-            check_bool(name, flag)
-        check_choice("hessian_precision", hessian_precision, ("float64", "model"))
-        if hessian_rtol is not None:
-            hessian_rtol = check_float("hessian_rtol", hessian_rtol, low=0.0, high=1.0, low_open=True, high_open=True)
-        steps = [0.5, 1.0, 2.0, 3.0, 4.0] if landscape_steps is None else _step_multiples(landscape_steps)
-        check_choice("landscape_direction", landscape_direction, ("gradient", "preconditioned"))
-        if not (kappa_d or hessian_block or weight_kappa or effective_lr or lanczos or landscape):
-            raise ValueError("every metric is switched off (`kappa_d`, `hessian_block`, ...): nothing to log")
+        layers, hessian_layers, hessian_rtol, steps = check_arguments(
+            every_n_steps=every_n_steps, layers=layers, hessian_layers=hessian_layers, neuron=neuron,
+            hessian_precision=hessian_precision, hessian_rtol=hessian_rtol, max_hessian_size=max_hessian_size,
+            max_weight_kappa_size=max_weight_kappa_size, lanczos_iters=lanczos_iters, landscape_steps=landscape_steps,
+            landscape_direction=landscape_direction, flags=flags,
+        )  # fmt: skip
         self.every_n_steps, self.neuron = every_n_steps, neuron
         self.layers, self.hessian_layers = layers, hessian_layers
         self.kappa_d, self.hessian_block, self.weight_kappa = kappa_d, hessian_block, weight_kappa
@@ -202,10 +188,7 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
         cadence: int = trainer.log_every_n_steps  # type: ignore[attr-defined]
         self._interval = self.every_n_steps if self.every_n_steps is not None else cadence
         if not self._interval:
-            rank_zero_warn(
-                "ConditionNumberMonitor: `Trainer(log_every_n_steps=0)` turns logging off and `every_n_steps` is "
-                "None, so nothing will be recorded; pass `every_n_steps` to record anyway."
-            )
+            rank_zero_warn(_NEVER_RECORDS)
         bnps = [cb for cb in trainer.callbacks if isinstance(cb, BatchNormPreconditioning)]  # type: ignore[attr-defined]
         self._bnp = bnps[0] if bnps else None
         self._probe_batch = None
@@ -216,32 +199,17 @@ class ConditionNumberMonitor(ArgumentsRepr, Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after `configure_model`, which may build the layers (Lightning calls it after every callback's `setup`)
-        candidates = {name: m for name, m in pl_module.named_modules() if probes.is_neuron_layer(m)}
-        for arg, patterns in (("layers", self.layers), ("hessian_layers", self.hessian_layers)):
-            for pattern in patterns or ():
-                if not any(fnmatchcase(name, pattern) for name in candidates):
-                    raise ValueError(
-                        f"`{arg}` pattern {pattern!r} matches no Linear/ConvNd layer; "
-                        f"candidates are {sorted(candidates)}"
-                    )
-        self._layers = {n: m for n, m in candidates.items() if _matches(n, self.layers)}
+        self._layers = selected_layers(pl_module, self.layers, self.hessian_layers)
         pre = self._bnp._attach(pl_module) if self._bnp is not None else None  # attached whatever the callback order
         if pre is None and (self.kappa_d or self.landscape_direction == "preconditioned"):
             rank_zero_info("ConditionNumberMonitor: no BatchNormPreconditioning callback; BNP metrics are skipped.")
-        base = [n for n in (pre.layers if pre is not None else self._layers) if n in self._layers]
-        if self.hessian_layers is None:
-            self._hessian_names = base[-1:]
-        else:
-            self._hessian_names = [n for n in base if _matches(n, self.hessian_layers)]
+        bnp = pre.layers if pre is not None else None
+        self._hessian_names = hessian_layer_names(self._layers, bnp, self.hessian_layers)
         self._scale_invariant = None  # found numerically on the first record's batch (measure)
         needs_loss = (self.hessian_block and self._hessian_names) or self.lanczos or self.landscape or self.effective_lr
         if needs_loss and not pl_module.automatic_optimization:
             self._scale_invariant = {}
-            rank_zero_warn(
-                "ConditionNumberMonitor: the Hessian, Lanczos and landscape probes and the scale-invariance check of "
-                "the effective learning rate re-run `training_step`, which manual optimization does not allow; "
-                "only κ(D) and weight κ are logged."
-            )
+            rank_zero_warn(_MANUAL_OPTIMIZATION)
         bnp_layers = [n for n in (pre.layers if pre is not None else ()) if n in self._layers]
         declare_layout(trainer, _layout(self, bnp_layers if pre is not None else None))
 
@@ -390,6 +358,15 @@ _NOT_UNDER_FSDP2 = (
     "BatchNormPreconditioning, ZSpaceRegularization's weight decay and TimingMonitor work there; monitor the "
     "condition numbers in a DDP or single-device run."
 )
+_NEVER_RECORDS = (
+    "ConditionNumberMonitor: `Trainer(log_every_n_steps=0)` turns logging off and `every_n_steps` is None, so nothing "
+    "will be recorded; pass `every_n_steps` to record anyway."
+)
+_MANUAL_OPTIMIZATION = (
+    "ConditionNumberMonitor: the Hessian, Lanczos and landscape probes and the scale-invariance check of the "
+    "effective learning rate re-run `training_step`, which manual optimization does not allow; only κ(D) and weight "
+    "κ are logged."
+)
 
 
 def _layout(monitor: ConditionNumberMonitor, bnp_layers: list[str] | None) -> dict[str, dict[str, list[str]]]:
@@ -426,20 +403,3 @@ def _layout(monitor: ConditionNumberMonitor, bnp_layers: list[str] | None) -> di
         keys = ("loss_range", "grad_change", "beta_smoothness")
         layout["bnp/landscape"] = {k: [chart("bnp", "landscape", k, variants=False)] for k in keys}
     return {category: charts for category, charts in layout.items() if charts}
-
-
-def _step_multiples(value: Any) -> list[float]:
-    """``landscape_steps`` as floats: a non-empty list of finite numbers > 0."""
-    message = f"`landscape_steps` must be a non-empty list of finite numbers > 0, got {value!r}"
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(message)
-    if not value:
-        raise ValueError(message)
-    try:
-        return [check_float("landscape_steps", k, low=0.0, low_open=True) for k in value]
-    except (TypeError, ValueError) as err:
-        raise type(err)(message) from None
-
-
-def _matches(name: str, patterns: list[str] | None) -> bool:
-    return patterns is None or any(fnmatchcase(name, p) for p in patterns)

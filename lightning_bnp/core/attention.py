@@ -9,8 +9,8 @@ Two layer kinds (:mod:`lightning_bnp.core.kinds`; the built-in ones are register
   ``v_proj_weight`` when ``kdim``/``vdim`` differ from ``embed_dim``) and the matching slices of
   ``in_proj_bias``. Each block's input is the MHA forward's ``query``, ``key`` or ``value`` argument (layout
   ``batch_first`` either way: a linear layer's statistics are per feature over every leading dimension). In
-  self-attention the three are one tensor, reduced once for the three layers (``_shared_moments`` in
-  :mod:`~lightning_bnp.core.preconditioner`); the step transforms the three row blocks of ``in_proj_weight`` as
+  self-attention the three are one tensor, reduced once for the three layers (``shared_moments`` in
+  :mod:`~lightning_bnp.core.call_hooks`); the step transforms the three row blocks of ``in_proj_weight`` as
   one grouped matrix, each block with its own statistics (:meth:`~LayerKind.row_block`). The layers are named
   ``<mha>.q``, ``<mha>.k``, ``<mha>.v``.
 * :class:`FunctionalLinearKind` — a ``nn.Linear`` child that its parent uses through ``F.linear(x,

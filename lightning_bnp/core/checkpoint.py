@@ -13,7 +13,15 @@ from torch import Tensor
 from lightning_bnp.core.layers import BNPWarning, ManagedLayer
 from lightning_bnp.core.stack import user_stacklevel
 
-__all__ = ["hyperparameters", "load_state_dict", "state_dict"]
+__all__ = ["SAVED_SETTINGS", "hyperparameters", "load_state_dict", "saved_settings", "state_dict"]
+
+# the settings of a preconditioner that shape the running statistics and P (saved as its hyperparameters)
+SAVED_SETTINGS = ("rho", "eps1", "eps2", "statistics", "bias_correction", "conv_statistics")
+
+
+def saved_settings(preconditioner: Any) -> dict[str, Any]:
+    """The :data:`SAVED_SETTINGS` of ``preconditioner`` (its attributes of those names), by name."""
+    return {name: getattr(preconditioner, name) for name in SAVED_SETTINGS}
 
 
 def hyperparameters(layers: dict[str, ManagedLayer], settings: dict[str, Any]) -> dict[str, Any]:

@@ -40,8 +40,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_bnp.core.attention import capturing, stop_capturing
-from lightning_bnp.core.copies import register_forward_hook, register_forward_pre_hook
+from lightning_bnp.core.call_hooks import register_calls_hooks, under
+from lightning_bnp.core.copies import register_forward_hook
 from lightning_bnp.core.layers import NO_LEAF, ManagedLayer
 from lightning_bnp.core.reached import BackwardTasks, Reached
 from lightning_bnp.core.recompute import Context, remember, replayed
@@ -52,27 +52,6 @@ __all__ = ["StatisticsCollection"]
 
 # module → the attached collection that manages it (so that a second one is refused)
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[StatisticsCollection]] = weakref.WeakKeyDictionary()
-
-
-def _shared_moments(shared: list[Any], kind: Any, module: nn.Module, h: Tensor, out: Tensor) -> Moments:
-    """Moments of ``h``, reduced once for the q, k and v layers of a self-attention (one tensor, one reduction
-    of the same kind class): ``shared[0]`` keeps the latest with a weak reference to its input and version."""
-    last, reduce = shared[0], type(kind).moments
-    if last is not None and last[0]() is h and last[1] == h._version and last[2] is reduce and last[3] is module:
-        return last[4]
-    part = kind.moments(module, h, out)
-    shared[0] = (weakref.ref(h), h._version, reduce, module, part)
-    return part
-
-
-def _under(masks: TokenMasks, context: Context, record: Callable[[], None]) -> None:
-    """Run ``record`` with the token mask of ``context`` in force (a recomputed forward's own)."""
-    previous = masks.mask, masks.applies_to
-    masks.mask, masks.applies_to = context.mask, context.applies_to
-    try:
-        record()
-    finally:
-        masks.mask, masks.applies_to = previous
 
 
 def _count(layer: ManagedLayer, reached: Reached) -> None:
@@ -154,7 +133,10 @@ class StatisticsCollection:
             for module in layer.modules.values():
                 _OWNERS[module] = weakref.ref(self)
                 if layer.kind.captures or not layer.kind.default_calls:  # attention (core/attention.py)
-                    self.handles.extend(self._register_calls_hooks(layer, module, shared))
+                    hooks = register_calls_hooks(
+                        layer, module, shared, self.masks, self._context, self._remember, self._record
+                    )
+                    self.handles.extend(hooks)
                     continue
                 self.handles.append(register_forward_hook(module, self._make_hook(layer), with_kwargs=True))
         for layer in self.layers:
@@ -225,7 +207,7 @@ class StatisticsCollection:
                 if self.collecting:
                     record(module, args, kwargs, output)
             elif replay.collecting:  # recomputed by reentrant checkpointing: under its forward's mask
-                _under(self.masks, replay, lambda: record(module, args, kwargs, output))
+                under(self.masks, replay, lambda: record(module, args, kwargs, output))
 
         return hook
 
@@ -263,69 +245,6 @@ class StatisticsCollection:
             for node in nodes:  # (held once: by the first of them a backward reaches)
                 if node is not None:
                     node.register_prehook(hold)
-
-    def _register_calls_hooks(self, layer: ManagedLayer, module: nn.Module, shared: list[Any]) -> list[RemovableHandle]:
-        """Hooks of a kind whose forward yields several (input, output) pairs (:meth:`LayerKind.calls`), or whose
-        input is captured from an ``F.linear`` call made during the forward (:attr:`LayerKind.captures`)."""
-        kind, handles = layer.kind, []
-        started: list[tuple[Tensor, Context]] = []
-
-        def reduce(module: nn.Module, h: Tensor, out: Tensor) -> Moments:
-            # eager: the q, k, v layers of a self-attention reduce their one input once (traced: fused anyway)
-            return (
-                kind.moments(module, h, out)
-                if torch.compiler.is_compiling()
-                else _shared_moments(shared, kind, module, h, out)
-            )
-
-        def counted_under() -> Context | None:
-            """The context this module call counts under, None if it counts nothing (once per call: a reentrant
-            checkpoint's recomputation takes back one remembered context per call)."""
-            if not module.training:
-                return None
-            if not torch.is_grad_enabled():
-                self._remember()
-                return None
-            context = self._context()
-            return context if context.collecting and layer.weight.requires_grad else None
-
-        if kind.captures:
-
-            def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-                context = counted_under()
-                if context is not None:
-                    weight = kind.watched(module)  # type: ignore[attr-defined]
-                    capturing(weight)
-                    started.append((weight, context))
-
-            handles.append(register_forward_pre_hook(module, pre_hook))
-
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if kind.captures:
-                if not started:
-                    return
-                watched, context = started.pop()
-                calls = stop_capturing(watched)
-                if output is None:  # the forward raised (an always_call hook)
-                    return
-            else:
-                found = counted_under()
-                if found is None:
-                    return
-                context, calls = found, kind.calls(module, args, kwargs, output)
-            weight = layer.weight
-
-            def record() -> None:
-                for h, out in calls:
-                    if isinstance(h, Tensor) and (
-                        isinstance(out, Tensor) or (isinstance(out, tuple) and all(isinstance(o, Tensor) for o in out))
-                    ):
-                        self._record(layer, module, args, kwargs, h, out, reduce, weight)
-
-            _under(self.masks, context, record)
-
-        handles.append(register_forward_hook(module, hook, with_kwargs=True, always_call=kind.captures))
-        return handles
 
     def _watch(self, layer: ManagedLayer, weight: Tensor) -> None:
         """Count ``layer``'s reached forwards when a backward accumulates the gradient of ``weight`` (a trainable leaf:

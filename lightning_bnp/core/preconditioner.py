@@ -61,16 +61,14 @@ from torch.optim import Optimizer
 
 from lightning_bnp.core import checkpoint
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
-from lightning_bnp.core.collection import StatisticsCollection
 from lightning_bnp.core.kinds import layer_kinds
 from lightning_bnp.core.late_layers import LateLayers
 from lightning_bnp.core.layer_setup import manage_layers
 from lightning_bnp.core.layers import BNPWarning, ManagedLayer, StepTransform
-from lightning_bnp.core.pending import OptimizerCommits, PendingUpdate
+from lightning_bnp.core.parts import build_parts, checked_params, pickled_state, restore, step_with_optimizer
+from lightning_bnp.core.pending import PendingUpdate
 from lightning_bnp.core.selection import DEFAULT_LAYER_TYPES, validate_layer_types
-from lightning_bnp.core.step import PreconditionerStep
-from lightning_bnp.core.step_warnings import DETACHED, StepWarnings
-from lightning_bnp.core.token_masks import TokenMasks
+from lightning_bnp.core.step import transforms_of
 from lightning_bnp.core.validation import check_bool, check_choice, check_float, check_patterns
 
 __all__ = [
@@ -85,8 +83,6 @@ __all__ = [
 
 StatisticsMode = Literal["running", "batch"]
 ConvStatistics = Literal["channel", "column"]
-# the settings that shape the running statistics and P (checkpoint.hyperparameters)
-_SAVED_SETTINGS = ("rho", "eps1", "eps2", "statistics", "bias_correction", "conv_statistics")
 
 
 def validate_bnp_arguments(
@@ -207,8 +203,7 @@ class BNPPreconditioner(ArgumentsRepr):
             exclude=exclude, sync_statistics=sync_statistics, conv_statistics=conv_statistics, embeddings=embeddings,
         )  # fmt: skip
         self.layer_types, self.include, self.exclude = checked
-        check_bool("grouped_kernels", grouped_kernels)
-        self.grouped_kernels = grouped_kernels
+        self.grouped_kernels = check_bool("grouped_kernels", grouped_kernels)
         self.rho, self.eps1, self.eps2, self.statistics = rho, eps1, eps2, statistics
         self.bias_correction, self.conv_statistics, self.embeddings = bias_correction, conv_statistics, embeddings
         self.sync_statistics, self.process_group = sync_statistics, process_group
@@ -219,30 +214,12 @@ class BNPPreconditioner(ArgumentsRepr):
             conv_statistics=conv_statistics, decay_offset=self._decay_offset,
         )  # fmt: skip
         self._layer_list = list(self.layers.values())
-        self._build_parts()
-        self._late = LateLayers(model, *checked, self._warnings, embeddings=embeddings)
+        self._warnings, self._masks, self._collection, self._commits, self._step = build_parts(self._layer_list, self)
+        self._late: LateLayers | None = LateLayers(model, *checked, self._warnings, embeddings=embeddings)
         self.attach()
-
-    def _build_parts(self) -> None:
-        """The parts the front object delegates to (also for an object pickled before there were parts)."""
-        self._warnings = StepWarnings(running=self.statistics == "running")
-        self._masks = TokenMasks(self._layer_list)
-        self._collection = StatisticsCollection(self._layer_list, self._masks)
-        self._commits = OptimizerCommits()
-        self._step = PreconditionerStep(
-            rho=self.rho, eps1=self.eps1, eps2=self.eps2, statistics=self.statistics,
-            bias_correction=self.bias_correction, sync_statistics=self.sync_statistics,
-            process_group=self.process_group, decay_offset=self._decay_offset, warnings=self._warnings,
-            grouped_kernels=self.grouped_kernels,
-        )  # fmt: skip
 
     _repr_skip = ("model",)
     _repr_if_set = ("conv_statistics", "embeddings", "grouped_kernels")
-    # class defaults for an object pickled before these existed (its running ρ^t has no offset)
-    embeddings = False
-    grouped_kernels = False
-    _decay_offset = 0.0
-    _late: LateLayers | None = None  # (pickled before late layers were looked for: not looked for)
 
     def _repr_extra(self) -> list[str]:
         return [f"layers={list(self.layers)!r}", f"attached={self.attached}"]
@@ -266,25 +243,12 @@ class BNPPreconditioner(ArgumentsRepr):
         self._collection.detach()
 
     def __getstate__(self) -> dict[str, Any]:
-        """For ``pickle`` and ``copy.deepcopy``: hook handles, pending commits, plans, a compiled step and the
-        current token mask stay behind (each part says what it keeps; a copy of the model carries no BNP hooks:
-        ``core/copies.py``); an attached preconditioner re-attaches to its copied modules in :meth:`__setstate__`."""
-        if self.process_group is not None:
-            raise TypeError(
-                "a BNPPreconditioner with an explicit `process_group` cannot be pickled or copied (a process "
-                "group is bound to this process); build a new one in the other process"
-            )
-        return {**self.__dict__, "_was_attached": self.attached}
+        """For ``pickle`` and ``copy.deepcopy``: what a copy carries and what stays behind,
+        :func:`~lightning_bnp.core.parts.pickled_state` (an attached one re-attaches: :meth:`__setstate__`)."""
+        return pickled_state(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        attached = state.pop("_was_attached", False)
-        self.__dict__.update(state)
-        if "_step" not in state:  # pickled by a version before the parts: its settings and layers are all there
-            self._build_parts()
-            if state.get("_compile_options") is not None:
-                self._step.compile(**state["_compile_options"])
-        if attached:
-            self.attach()
+        restore(self, state)
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -387,17 +351,11 @@ class BNPPreconditioner(ArgumentsRepr):
                 optimizer: DeepSpeed keeps the gradients elsewhere than ``param.grad`` and is not supported).
         """
         if not self.attached:  # (before `defer`: a detached preconditioner hooks no optimizer)
-            self._warn_detached("step")
-            return
-        if isinstance(params, Optimizer):  # (its commit follows the wrappers: pending.unwrap_optimizer)
-            owned = _parameters(params)
-            if self._late is not None:
-                self._late.check(params, owned)  # layers made after set-up whose parameters it holds are named
-            if self._commits.pending(params) is not None and self._step.repeated(self._layer_list, owned):
-                return  # asked for again before `optimizer.step()` (e.g. by the training_step and by the callback)
-            self._commits.defer(params, self.precondition(owned, commit=False))
+            self._warnings.warn_detached(self._collection.generation, "step")
+        elif isinstance(params, Optimizer):
+            step_with_optimizer(params, self._layer_list, self._step, self._commits, self._late, self.precondition)
         else:
-            self.precondition(_checked_params(params), commit=True)
+            self.precondition(checked_params(params), commit=True)
 
     def compile_step(self, **options: Any) -> BNPPreconditioner:
         """Run the tensor work of every later step — the statistics update (Alg. 2/3 steps 1–3) and the
@@ -418,13 +376,9 @@ class BNPPreconditioner(ArgumentsRepr):
         :meth:`detach`, before :meth:`attach`) transforms nothing and says so, once per detach.
         """
         if not self.attached:
-            self._warn_detached("precondition")
+            self._warnings.warn_detached(self._collection.generation, "precondition")
             return PendingUpdate()
-        return self._step.precondition(self._layer_list, _checked_params(params), commit=commit)
-
-    def _warn_detached(self, method: str) -> None:
-        # once per detach (its generation): a loop that keeps stepping hears it once
-        self._warnings.warn_once(f"detached {self._collection.generation}", DETACHED.format(method=method))
+        return self._step.precondition(self._layer_list, checked_params(params), commit=commit)
 
     def flush_warnings(self) -> None:
         """Raise now the warnings about non-finite or overflowing statistics that the steps so far have
@@ -436,22 +390,17 @@ class BNPPreconditioner(ArgumentsRepr):
         :meth:`precondition` transformed; parameters not listed have M = I. Several layers may feed row blocks
         of one weight (``nn.MultiheadAttention``'s q, k, v): each transform maps its own rows
         (:attr:`StepTransform.rows`, :attr:`StepTransform.bias_rows`)."""
-        ids = {id(p) for p in params}
-        return {
-            name: (layer, layer.transform)
-            for name, layer in self.layers.items()
-            if layer.transform is not None and id(layer.weight) in ids
-        }
+        return transforms_of(self.layers, params)
 
     # ------------------------------------------------------------------ state
     def hyperparameters(self) -> dict[str, Any]:
         """The settings that shape the running statistics and P (saved with them); ``conv_statistics`` only
         when a convolution is managed (it shapes nothing else)."""
-        return checkpoint.hyperparameters(self.layers, self._settings())
+        return checkpoint.hyperparameters(self.layers, checkpoint.saved_settings(self))
 
     def state_dict(self) -> dict[str, Any]:
         """Running statistics per layer name (CPU tensors) and the :meth:`hyperparameters` they were made with."""
-        return checkpoint.state_dict(self.layers, self._settings())
+        return checkpoint.state_dict(self.layers, checkpoint.saved_settings(self))
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
         """Restore :meth:`state_dict` output: all of it, or nothing on an error. A state saved under another ρ keeps
@@ -468,36 +417,6 @@ class BNPPreconditioner(ArgumentsRepr):
                 per-channel ones saved under ``conv_statistics="channel"`` loaded into ``"column"``: they cannot be
                 converted), or are not finite; the error names the layer, and nothing is loaded then.
         """
-        checkpoint.load_state_dict(self.layers, state, self._settings(), strict=check_bool("strict", strict))
-
-    def _settings(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _SAVED_SETTINGS}
-
-
-def _parameters(optimizer: Optimizer) -> list[Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _checked_params(params: Any) -> Iterable[Tensor] | None:
-    """``params`` of :meth:`BNPPreconditioner.step`/``precondition`` when it is not a ``torch.optim.Optimizer``.
-
-    Raises:
-        TypeError: an optimizer of another framework (DeepSpeed's, which keeps the gradients in buffers of its own:
-            ``param.grad`` is None after ``engine.backward``) or anything else that is not an iterable of tensors.
-    """
-    if params is None or isinstance(params, (list, tuple)):
-        return params
-    kind = type(params)
-    if any("deepspeed" in f"{c.__module__}.{c.__name__}".lower() for c in kind.__mro__):
-        raise TypeError(
-            f"BNPPreconditioner.step() got a {kind.__name__} ({kind.__module__}): DeepSpeed is not supported. Its "
-            "engine reduces the gradients into buffers it owns (ZeRO stages 1-3; `param.grad` is None after "
-            "`engine.backward`), so BNP would transform nothing. Use DDP or FSDP2 (`fully_shard`) instead."
+        checkpoint.load_state_dict(
+            self.layers, state, checkpoint.saved_settings(self), strict=check_bool("strict", strict)
         )
-    if hasattr(params, "param_groups") or not hasattr(params, "__iter__"):
-        raise TypeError(
-            f"`params` must be a torch.optim.Optimizer (or a wrapper of one: Lightning's, Fabric's, Accelerate's), an "
-            f"iterable of parameters, or None; got a {kind.__name__} ({kind.__module__}), which "
-            + ("is not a torch.optim.Optimizer." if hasattr(params, "param_groups") else "is not iterable.")
-        )
-    return params

@@ -34,7 +34,7 @@ from lightning_bnp.core.step_warnings import (
 )
 from lightning_bnp.core.transform import q_squared
 
-__all__ = ["PreconditionerStep"]
+__all__ = ["PreconditionerStep", "transforms_of"]
 
 # why a step runs the pure-torch ops where the grouped kernels were chosen
 GROUPED_FAILED = (
@@ -306,3 +306,16 @@ class PreconditionerStep:
             mu_used = mu_l if grad_b is not None else None
             layer.transform = StepTransform(mu_used, var_t_l, q2, layer.groups, layer.rows, layer.bias_rows, share)
             layer.transformed_grad = (weakref.ref(grad_w), grad_w._version)
+
+
+def transforms_of(
+    layers: dict[str, ManagedLayer], params: Iterable[Tensor]
+) -> dict[str, tuple[ManagedLayer, StepTransform]]:
+    """``{layer name: (layer, transform)}`` for those of ``layers`` whose weight is among ``params`` and that the
+    latest step transformed (:meth:`~lightning_bnp.core.preconditioner.BNPPreconditioner.step_transforms`)."""
+    ids = {id(p) for p in params}
+    return {
+        name: (layer, layer.transform)
+        for name, layer in layers.items()
+        if layer.transform is not None and id(layer.weight) in ids
+    }

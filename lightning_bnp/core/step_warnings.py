@@ -132,6 +132,11 @@ class StepWarnings:
         if (None, cause) not in self.warned:
             self._warn((None, cause), message)
 
+    def warn_detached(self, generation: int, method: str) -> None:
+        """Say that ``BNPPreconditioner.<method>()`` ran detached: once per detach (``generation``, the collection's
+        count of detaches), so that a loop that keeps stepping hears it once."""
+        self.warn_once(f"detached {generation}", DETACHED.format(method=method))
+
     def _warn(self, key: tuple[str | None, str], message: str) -> None:
         self.warned.add(key)
         warnings.warn(message, BNPWarning, stacklevel=user_stacklevel())
