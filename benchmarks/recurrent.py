@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pickle
 import platform
 import statistics
 import time
@@ -160,6 +161,40 @@ def _verdict(ours: list[float], theirs: list[float]) -> str:
     return "ahead of" if gap < -spread else "behind" if gap > spread else "level with"
 
 
+def plot(results: list[tuple[Job, float, float, bool, float]], path: Path) -> None:
+    """Validation bpc against the learning rate, per setting and method (mean over the seeds, min–max band; a rate
+    where a seed diverged is left out): how each method's best compares, and how wide its good range is."""
+    from benchmarks.reproduce.plotting import plt_module, save_png
+
+    plt = plt_module()
+    fig, grid = plt.subplots(1, len(SETTINGS), figsize=(4 * len(SETTINGS), 3.4), squeeze=False)
+    axes = grid[0]
+    for ax, (cell, batch, _) in zip(axes, SETTINGS):
+        steps = next((r[0].steps for r in results if (r[0].cell, r[0].batch) == (cell, batch)), 0)
+        for color, method in zip(("tab:gray", "tab:blue", "tab:orange"), LRS):
+            rates, mean, low, high = [], [], [], []
+            for lr in LRS[method]:
+                runs = [
+                    r for r in results if (r[0].cell, r[0].batch, r[0].method, r[0].lr) == (cell, batch, method, lr)
+                ]
+                if runs and not any(r[3] for r in runs):
+                    values = [r[1] for r in runs]
+                    rates.append(lr)
+                    mean.append(statistics.fmean(values))
+                    low.append(min(values))
+                    high.append(max(values))
+            ax.plot(rates, mean, "o-", color=color, label=method)
+            ax.fill_between(rates, low, high, color=color, alpha=0.2)
+        ax.set_xscale("log")
+        ax.set_title(f"{cell}, batch {batch}, {steps} steps")
+        ax.set_xlabel("learning rate")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation bits per character")
+    axes[0].legend()
+    fig.tight_layout()
+    save_png(fig, path)
+
+
 def _grids() -> str:
     return "; ".join(f"{m} {', '.join(f'{lr:g}' for lr in lrs)}" for m, lrs in LRS.items())
 
@@ -170,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="folder of the RESULTS.md to write the section into")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default 3; 1 with --quick)")
     parser.add_argument("--workers", type=int, default=None, help="training processes (default: CPU count, at most 4)")
+    parser.add_argument(
+        "--rerender", action="store_true", help="write the section and its figure from the saved runs, training nothing"
+    )
     args = parser.parse_args(argv)
     seeds = args.seeds or (1 if args.quick else 3)
     workers = args.workers or min(os.cpu_count() or 1, 4)
@@ -181,13 +219,14 @@ def main(argv: list[str] | None = None) -> None:
         for lr in (lrs[1:3] if args.quick else lrs)
         for seed in range(seeds)
     ]
-    start = time.perf_counter()
-    # the fork server preloads the text and the network (torch with them), not this module: run as
-    # `python -m benchmarks.recurrent`, the server imports this module as the workers' __main__ itself, and a
-    # preloaded copy would be imported twice (runpy's RuntimeWarning)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=worker_processes("example_projects.char_text")) as pool:
-        results = list(pool.map(task, jobs, chunksize=1))
-    seconds = time.perf_counter() - start
+    saved = out / "results" / "recurrent.pkl"
+    if args.rerender:
+        results, seconds, workers = pickle.loads(saved.read_bytes())
+    else:
+        results, seconds = _train(jobs, workers)
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_bytes(pickle.dumps((results, seconds, workers)))
+    plot(results, out / "results" / "recurrent.png")
     train, valid, test, vocabulary = _splits()
     note = (
         ("**QUICK MODE: tiny runs, the numbers mean nothing.** " if args.quick else "")
@@ -201,12 +240,24 @@ def main(argv: list[str] | None = None) -> None:
         "defaults (the recurrent layer's W_ih, W_hh and the read-out; the embedding left to SGD) with plain SGD."
     )
     lines = section(results, seeds, note)
+    lines[4:4] = ["![recurrent](results/recurrent.png)", ""]
     out.mkdir(parents=True, exist_ok=True)
     path = out / "RESULTS.md"
     report = path.read_text() if path.exists() else ""
     path.write_text(splice_section(report, HEADER, lines))
     print("\n".join(lines))
     print(f"wrote the section into {path} in {seconds:.0f} s")
+
+
+def _train(jobs: list[Job], workers: int) -> tuple[list[tuple[Job, float, float, bool, float]], float]:
+    """Every job in ``workers`` processes: (the results, wall seconds)."""
+    start = time.perf_counter()
+    # the fork server preloads the text and the network (torch with them), not this module: run as
+    # `python -m benchmarks.recurrent`, the server imports this module as the workers' __main__ itself, and a
+    # preloaded copy would be imported twice (runpy's RuntimeWarning)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=worker_processes("example_projects.char_text")) as pool:
+        results = list(pool.map(task, jobs, chunksize=1))
+    return results, time.perf_counter() - start
 
 
 if __name__ == "__main__":

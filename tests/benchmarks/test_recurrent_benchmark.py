@@ -48,6 +48,11 @@ def test_the_quick_run_replaces_only_its_section(tmp_path: Path, monkeypatch: py
     text = (tmp_path / "RESULTS.md").read_text()
     assert "old" not in text and "kept" in text and text.count(HEADER) == 1 and text.index(HEADER) < text.index("---")
     assert "| GRU | 2 | 12 | BNP |" in text and "QUICK MODE" in text
+    assert "![recurrent](results/recurrent.png)" in text and (tmp_path / "results" / "recurrent.png").stat().st_size
+    # the saved runs give the same section again without training
+    (tmp_path / "RESULTS.md").write_text(f"# Report\n\n{HEADER}\n\nold\n\n---\nsummary\n")
+    recurrent.main(["--quick", "--out", str(tmp_path), "--rerender"])
+    assert "| GRU | 2 | 12 | BNP |" in (tmp_path / "RESULTS.md").read_text()
 
 
 def test_the_section_is_extracted_for_the_reproduction_to_keep() -> None:
