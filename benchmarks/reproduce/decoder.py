@@ -17,8 +17,10 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +38,8 @@ METHODS = ("vanilla", "BN", "BNP", "BNP-col", "Adam")
 SGD_RATES = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0)
 ADAM_RATES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 QUICK_STEPS, QUICK_EVAL_SAMPLES = 12, 100
+FIGURE = "decoder.png"  # in <out>/results/, drawn by ``plot``
+COLORS = ("tab:gray", "tab:green", "tab:blue", "tab:red", "tab:orange")  # one per method, in METHODS' order
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,13 @@ class DecoderSetting:
     def steps(self) -> int:
         total = self.epochs * -(-len(data()["train"][0]) // self.batch)
         return min(total, self.max_steps) if self.max_steps else total
+
+    @property
+    def eval_steps(self) -> list[int]:
+        """The steps after which ``train`` evaluates a run that does not diverge: 0, every ``steps // evals`` steps
+        before the last, and the last."""
+        every = max(1, self.steps // self.evals)
+        return [*range(0, self.steps, every), self.steps]
 
     def rates(self, method: str) -> tuple[float, ...]:
         rates = ADAM_RATES if method == "Adam" else SGD_RATES
@@ -119,7 +130,7 @@ def train(job: DecoderJob) -> DecoderRun:
         opt = torch.optim.SGD(net.parameters(), lr=job.lr, momentum=0.9)
     x = data()["train"][0]
     gen = torch.Generator().manual_seed(job.seed)
-    every = max(1, s.steps // s.evals)
+    every = max(1, s.steps // s.evals)  # evaluations at s.eval_steps
     run, step, start = DecoderRun(), 0, time.perf_counter()
     run.val.append(error(net, "val", s.eval_samples))
     run.test.append(error(net, "test", s.eval_samples))
@@ -155,6 +166,11 @@ def jobs(settings: tuple[DecoderSetting, ...]) -> list[DecoderJob]:
     return [
         DecoderJob(s, m, lr, seed) for s in settings for m in METHODS for lr in s.rates(m) for seed in range(s.seeds)
     ]
+
+
+def settings_of(results: dict[DecoderJob, DecoderRun]) -> tuple[DecoderSetting, ...]:
+    """The settings ``results`` were trained at, by batch (``--rerender`` draws the section from them)."""
+    return tuple(sorted({job.setting for job in results}, key=lambda s: s.batch))
 
 
 def train_all(settings: tuple[DecoderSetting, ...], workers: int) -> dict[DecoderJob, DecoderRun]:
@@ -202,6 +218,7 @@ def section(settings: tuple[DecoderSetting, ...], results: dict[DecoderJob, Deco
         "exact), and Adam. Each method at the rate of its grid with the best validation error (SGD "
         f"{', '.join(f'{r:g}' for r in SGD_RATES)}; Adam {', '.join(f'{r:g}' for r in ADAM_RATES)}; a rate where "
         "a seed diverged is not chosen); test MSE ×10³ at the end, mean [min–max] over the seeds. " + note + "\n",
+        f"![decoder](results/{FIGURE})\n",
         "| batch, steps | method | chosen rate | test MSE ×10³ | rates with a diverged seed |",
         "|---|---|---|---|---|",
     ]
@@ -226,6 +243,32 @@ def section(settings: tuple[DecoderSetting, ...], results: dict[DecoderJob, Deco
             f"{'below' if bnp < bn else 'not below'} BatchNorm ({bn * 1e3:.2f})."
         )
     return lines
+
+
+def plot(settings: Sequence[DecoderSetting], results: dict[DecoderJob, DecoderRun], path: Path) -> None:
+    """One panel per setting: each method's validation MSE over the training steps at its chosen rate (mean over the
+    seeds, min–max band; a diverged seed counts until it diverged), log scale where the errors span decades."""
+    from benchmarks.reproduce.plotting import curves, plt_module, save_png
+
+    plt = plt_module()
+    fig, grid = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.6), squeeze=False)
+    for ax, s in zip(grid[0], settings):
+        steps, finite = s.eval_steps, []
+        for color, method in zip(COLORS, METHODS):
+            c = choose(s, method, results)
+            values = [(r.val + [math.nan] * len(steps))[: len(steps)] for r in c.runs]
+            style = "--" if method == "BNP-col" else "-"  # visible where it lies on BNP's curve
+            curves(ax, steps, values, f"{method} (lr {c.lr:g})", color, ls=style)
+            finite += [v for row in values for v in row if math.isfinite(v) and v > 0]
+        if finite and max(finite) > 10 * min(finite):
+            ax.set_yscale("log")
+        ax.set_title(f"batch {s.batch}, {s.steps} steps, {s.seeds} seed{'s' * (s.seeds > 1)}")
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    grid[0][0].set_ylabel("validation MSE (chosen rate)")
+    fig.tight_layout()
+    save_png(fig, path)
 
 
 def splice(report: str, lines: list[str]) -> str:

@@ -148,24 +148,27 @@ def conv_statistics_alone(args: argparse.Namespace) -> None:
 
 
 def decoder_alone(args: argparse.Namespace) -> None:
-    """``--sections decoder``: train §9 only and splice it into ``<out>/RESULTS.md`` (a full run keeps it as is)."""
+    """``--sections decoder``: train §9 only, draw its figure and splice it into ``<out>/RESULTS.md`` (a full run
+    keeps it as is)."""
     settings = tuple(decoder.quick(s, args.seeds) for s in decoder.SETTINGS) if args.quick else decoder.SETTINGS
     if args.seeds is not None and not args.quick:
         settings = tuple(replace(s, seeds=args.seeds) for s in settings)
     saved = args.out / "results" / f"{decoder.NAME}.pkl"
-    if args.rerender:
+    if args.rerender:  # the settings the saved runs were trained with, whatever --quick and --seeds say now
         results, seconds = pickle.loads(saved.read_bytes())
+        settings = decoder.settings_of(results)
     else:
         start = time.perf_counter()
         results = decoder.train_all(settings, args.workers)
         seconds = time.perf_counter() - start
         saved.write_bytes(pickle.dumps((results, seconds)))
     note = (
-        ("**QUICK MODE: tiny runs, the numbers mean nothing.** " if args.quick else "")
+        ("**QUICK MODE: tiny runs, the numbers mean nothing.** " if any(s.max_steps for s in settings) else "")
         + f"Generated on its own (`python -m benchmarks.reproduce --sections {decoder.NAME}`) on "
         f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.workers} worker processes; "
         f"{len(results)} runs, wall time {seconds / 60:.1f} min."
     )
+    decoder.plot(settings, results, args.out / "results" / decoder.FIGURE)
     lines = decoder.section(settings, results, note)
     path = args.out / "RESULTS.md"
     report = path.read_text() if path.exists() else "\n".join(header(args, seconds)) + "\n"

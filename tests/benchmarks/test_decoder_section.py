@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from benchmarks.reproduce.decoder import (
     autoencoder,
     choose,
     extract,
+    plot,
     section,
     splice,
 )
@@ -66,6 +68,37 @@ def test_the_section_names_every_method_and_its_verdicts() -> None:
     assert "- Batch 4: lowest test error vanilla; BNP's best form not below vanilla SGD (30.00 vs 10.00)" in text
 
 
+def test_the_evaluation_steps_are_where_training_evaluates() -> None:
+    assert DecoderSetting(batch=64, epochs=6, evals=3, max_steps=12).eval_steps == [0, 4, 8, 12]
+    assert DecoderSetting(batch=64, epochs=6, evals=5, max_steps=12).eval_steps == [0, 2, 4, 6, 8, 10, 12]
+    assert DecoderSetting(batch=4, epochs=1).eval_steps == [*range(0, 1001, 100)]  # 4,000 digits: 1,000 steps
+
+
+def test_the_figure_draws_each_methods_curves_at_its_chosen_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = DecoderSetting(batch=64, epochs=6, seeds=2, evals=3, max_steps=12)
+    results = {  # every rate but the second diverges in seed 1 after two evaluations; the second's errors span decades
+        DecoderJob(s, m, lr, seed): DecoderRun(
+            [0.1, 0.01, 0.001, 0.0005 * (seed + 1)] if lr == s.rates(m)[1] else [0.2, 0.3],
+            [0.0] * 4,
+            diverged=lr != s.rates(m)[1] and seed == 1,
+        )
+        for m in METHODS
+        for lr in s.rates(m)
+        for seed in range(2)
+    }
+    figures: list[Any] = []
+    monkeypatch.setattr("benchmarks.reproduce.plotting.save_png", lambda fig, path: figures.append(fig))
+    plot((s,), results, tmp_path / "decoder.png")
+    (ax,) = figures[0].axes
+    assert [line.get_label() for line in ax.lines] == [f"{m} (lr {s.rates(m)[1]:g})" for m in METHODS]
+    for line in ax.lines:  # the mean over the seeds
+        assert list(line.get_xdata()) == [0, 4, 8, 12]
+        assert list(line.get_ydata()) == pytest.approx([0.1, 0.01, 0.001, 0.00075])
+    assert ax.get_yscale() == "log" and ax.get_xlabel() == "training step" and ax.get_legend() is not None
+
+
 @pytest.mark.slow
 def test_quick_section_alone_rewrites_only_its_section(tmp_path: Path) -> None:
     (tmp_path / "RESULTS.md").write_text(REPORT)
@@ -77,3 +110,13 @@ def test_quick_section_alone_rewrites_only_its_section(tmp_path: Path) -> None:
     text = (tmp_path / "RESULTS.md").read_text()
     assert text.startswith("# Report\n\n## 7. Transformers") and text.rstrip().endswith("Training runs: 3.")
     assert HEADER in text and "QUICK MODE" in text and "| 64, 12 | BNP-col |" in text
+    figure = tmp_path / "results" / "decoder.png"
+    assert figure.stat().st_size > 1000
+    lines = extract(text)
+    assert lines[2].endswith("min.") and lines[3:5] == ["", "![decoder](results/decoder.png)"]  # right after the note
+    figure.unlink()  # --rerender draws it again from the saved runs, at their settings (no --quick, --seeds given)
+    proc = run_python(
+        "-m", "benchmarks.reproduce", "--sections", "decoder", "--rerender", "--out", str(tmp_path), "--workers", "2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert figure.stat().st_size > 1000 and (tmp_path / "RESULTS.md").read_text() == text
