@@ -221,6 +221,30 @@ def test_channel_statistics_are_the_taps_pooled_and_scaled_by_rho(
         torch.testing.assert_close(column.var, m.var.repeat_interleave(taps), rtol=1e-12, atol=1e-12)
 
 
+UNPADDED = [
+    (nn.ConvTranspose1d(2, 3, 3, stride=2, dilation=2, output_padding=1), (3, 2, 5), None),
+    (nn.ConvTranspose2d(2, 2, (2, 3), stride=(3, 1), dilation=(1, 2)), (2, 2, 3, 4), (8, 8)),
+    (nn.ConvTranspose3d(1, 2, 2, stride=2, output_padding=1), (2, 1, 2, 3, 2), None),
+]
+
+
+@pytest.mark.parametrize(("conv", "shape", "size"), UNPADDED, ids=["1d-dilated", "2d-output_size", "3d"])
+def test_without_padding_the_channel_form_is_the_explicit_matrix_on_every_tap(
+    conv: nn.Module, shape: tuple[int, ...], size: tuple[int, ...] | None
+) -> None:
+    """With no padding every tap of every input position lands inside the output (dilation, output padding and a
+    larger ``output_size=`` only add rows of zeros), so ρ-scaled per-channel moments are H's column moments exactly."""
+    torch.manual_seed(5)
+    conv = copy.deepcopy(conv).double()
+    x = torch.randn(shape, dtype=torch.float64) * 3 - 2
+    y = conv(x, output_size=size) if size is not None else conv(x)
+    h = explicit_h(conv, x, size)
+    m = transposed_channel_moments(conv, x, y)
+    taps = math.prod(conv.kernel_size)
+    torch.testing.assert_close(m.mean.repeat_interleave(taps), h.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.var.repeat_interleave(taps), h.var(0, correction=0), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize(("conv", "shape", "size"), CASES[::2], ids=IDS[::2])
 def test_channel_statistics_step_is_eq15_with_the_channel_moments_on_every_tap(
