@@ -54,9 +54,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_bnp.core.kinds import LayerKind
+from lightning_bnp.core.kinds import ConvNdKind, LayerKind
 from lightning_bnp.core.moments import moments_of_input
-from lightning_bnp.core.reparametrization import unsupported, weight_leaf
+from lightning_bnp.core.reparametrization import unsupported
 from lightning_bnp.core.statistics import Moments, statistics_dtype
 
 __all__ = ["ConvTransposeNdKind", "tap_reach", "transposed_channel_moments", "transposed_column_moments"]
@@ -157,16 +157,13 @@ def tap_reach(
     return tuple(masks), counts.flatten().to(device=device, dtype=dtype)
 
 
-class ConvTransposeNdKind(LayerKind):
+class ConvTransposeNdKind(ConvNdKind):
     """``nn.ConvTranspose{1,2,3}d``: a linear layer on the (N·L_out, c_in·∏k) matrix H of the module docstring.
     Per-channel statistics scaled by ρ = L_in/L_out (``conv_statistics="channel"``, exact without padding) or exact
     per column (c, κ) (``"column"``). Its weight (c_in, c_out, *k) is read as the rows (c_out, c_in, *k). Selected by
     its own name and by its family: ``"Conv2d"`` in ``layer_types`` (the default) also selects ``ConvTranspose2d``.
-    ``groups > 1`` with more than one input channel per group is left alone, named with the reason."""
-
-    dense = False
-    options = ("conv_statistics",)
-    weight = staticmethod(weight_leaf)
+    ``groups > 1`` with more than one input channel per group is left alone, named with the reason. The fan-in,
+    features, groups and what an entry of the statistics is are a convolution's (:class:`ConvNdKind`)."""
 
     def __init__(self, name: str, module_type: type[nn.Module], family: str, *, columns: bool = False) -> None:
         self.name = name  # type: ignore[misc]
@@ -198,16 +195,3 @@ class ConvTransposeNdKind(LayerKind):
             return weight.transpose(0, 1)
         # one input channel per group: (c_in, c_out/groups, *k) -> (c_out, 1, *k), the same memory (view, never a copy)
         return weight.view(-1, 1, *weight.shape[2:])
-
-    def groups(self, module: nn.Module) -> int:
-        return int(module.groups)  # type: ignore[arg-type]
-
-    def fan_in(self, module: nn.Module) -> int:
-        return int(module.in_channels) // self.groups(module) * math.prod(module.kernel_size)  # type: ignore[arg-type]
-
-    def features(self, module: nn.Module) -> int:
-        channels = int(module.in_channels)  # type: ignore[arg-type]
-        return channels * math.prod(module.kernel_size) if self.columns else channels  # type: ignore[arg-type]
-
-    def statistics_unit(self, module: nn.Module) -> str:
-        return "columns" if self.columns else "input channels"
