@@ -9,6 +9,7 @@ calls :func:`~lightning_bnp.core.step_math.step_math`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -166,41 +167,30 @@ class StepPlan:
 def row_block_runs(layers: list[ManagedLayer]) -> tuple[tuple[int, int], ...]:
     """Runs (first layer, n) of ``layers`` that are the n row blocks of one weight in order
     (:meth:`LayerKind.row_block`, the q, k, v of a MultiheadAttention): fixed for a set of layers."""
-    runs, i = [], 0
-    while i < len(layers):
-        layer = layers[i]
-        block = None if layer.kind.same_rows else layer.kind.row_block(layer.module)
-        n = block[1] if block is not None and block[0] == 0 else 1
-        run = layers[i : i + n]
-        if n > 1 and len(run) == n:
-            if all(
-                other.module is layer.module and other.kind.row_block(other.module) == (j, n)
-                for j, other in enumerate(run)
-            ):
-                runs.append((i, n))
-                i += n
-                continue
-        i += 1
-    return tuple(runs)
+    return _block_runs(layers, lambda layer: None if layer.kind.same_rows else layer.kind.row_block(layer.module))
 
 
 def column_block_runs(layers: list[ManagedLayer]) -> tuple[tuple[int, int], ...]:
     """Runs (first layer, n) of ``layers`` that are the n column blocks of one linear layer in order
     (:meth:`LayerKind.column_block`, a recurrent layer's ``weight_ih`` and ``weight_hh``): fixed for a set of layers.
     Blocks whose siblings are not all in ``layers`` (one excluded, or frozen) are layers on their own."""
+    return _block_runs(layers, lambda layer: layer.kind.column_block(layer.module))
+
+
+def _block_runs(
+    layers: list[ManagedLayer], block_of: Callable[[ManagedLayer], tuple[int, int] | None]
+) -> tuple[tuple[int, int], ...]:
+    """Runs (first layer, n) of consecutive layers of one module whose ``block_of`` are (0, n), (1, n) … (n − 1, n)."""
     runs, i = [], 0
     while i < len(layers):
         layer = layers[i]
-        block = layer.kind.column_block(layer.module)
+        block = block_of(layer)
         n = block[1] if block is not None and block[0] == 0 else 1
         run = layers[i : i + n]
         if (
             n > 1
             and len(run) == n
-            and all(
-                other.module is layer.module and other.kind.column_block(other.module) == (j, n)
-                for j, other in enumerate(run)
-            )
+            and all(other.module is layer.module and block_of(other) == (j, n) for j, other in enumerate(run))
         ):
             runs.append((i, n))
             i += n
