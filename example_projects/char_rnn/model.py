@@ -14,12 +14,11 @@ from typing import Literal
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from example_projects.char_text import EMBED, HIDDEN, Cell, CharRNN, text_splits
 from example_projects.classifier import check_optimizer, make_optimizer
-from example_projects.transformer.model import Windows
+from example_projects.transformer.model import WindowsDataModule
 from lightning_bnp.core.validation import check_int
 
 
@@ -85,7 +84,7 @@ class CharRNNModule(pl.LightningModule):
         return make_optimizer(self, self.optimizer_name, self.lr, self.momentum, self.weight_decay)
 
 
-class CharTextDataModule(pl.LightningDataModule):
+class CharTextDataModule(WindowsDataModule):
     """:func:`~example_projects.char_text.text_splits` (the docstrings of 18 standard-library modules, 80% train /
     10% validation / 10% test, in order) as non-overlapping windows of ``window`` characters and their next characters
     (an epoch: every training window once, shuffled). Nothing is downloaded.
@@ -106,18 +105,3 @@ class CharTextDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         self.window, self.batch_size, self.eval_batch_size = window, batch_size, eval_batch_size
         self.splits, self.vocabulary = text_splits()
-
-    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
-        return DataLoader(Windows(self.splits[split], self.window), batch_size=batch_size, shuffle=shuffle)
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.batch_size, True)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", self.eval_batch_size, False)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", self.eval_batch_size, False)

@@ -145,7 +145,33 @@ class Windows(Dataset[tuple[Tensor, Tensor]]):
         return w[:-1], w[1:]
 
 
-class CorpusDataModule(pl.LightningDataModule):
+class WindowsDataModule(pl.LightningDataModule):
+    """Train / validation / test splits of a text (``splits``, one id tensor each) as :class:`Windows` of ``window``
+    ids: every training window once per epoch, shuffled; ``batch_size`` training and ``eval_batch_size`` evaluation
+    windows per batch. Subclasses set these four attributes."""
+
+    splits: dict[str, Tensor]
+    window: int
+    batch_size: int
+    eval_batch_size: int
+
+    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
+        return DataLoader(Windows(self.splits[split], self.window), batch_size=batch_size, shuffle=shuffle)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", self.batch_size, True)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", self.eval_batch_size, False)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", self.eval_batch_size, False)
+
+
+class CorpusDataModule(WindowsDataModule):
     """The first ``max_bytes`` bytes of the installed torch package's ``.py`` sources
     (:func:`~example_projects.transformers.torch_corpus`), 90% train / 5% validation / 5% test, as non-overlapping
     windows of ``context`` bytes (an epoch: every training window once, shuffled). Nothing is downloaded; the text
@@ -166,7 +192,7 @@ class CorpusDataModule(pl.LightningDataModule):
             check_int(name, value, low=1)
         check_int("max_bytes", max_bytes, low=context * 20 + 1)
         self.save_hyperparameters()
-        self.context, self.batch_size, self.eval_batch_size, self.max_bytes = (
+        self.window, self.batch_size, self.eval_batch_size, self.max_bytes = (
             context,
             batch_size,
             eval_batch_size,
@@ -178,18 +204,3 @@ class CorpusDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         if not self.splits:
             self.splits = corpus_splits(torch_corpus(self.max_bytes))
-
-    def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
-        return DataLoader(Windows(self.splits[split], self.context), batch_size=batch_size, shuffle=shuffle)
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.batch_size, True)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", self.eval_batch_size, False)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", self.eval_batch_size, False)
