@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lightning_bnp.core import BNPPreconditioner
-from lightning_bnp.core.moments import column_moments_of_input, moments_of_input
+from lightning_bnp.core.moments import _real_counts, column_moments_of_input, moments_of_input
 from lightning_bnp.core.transform import precondition_
 
 RHO, EPS1, EPS2 = 0.9, 1e-2, 1e-4
@@ -224,6 +224,29 @@ def test_empty_and_unbatched_inputs() -> None:
     batched = column_moments_of_input(conv, x[None], conv(x[None]))
     assert (single.rows, single.samples) == (9, 1)
     torch.testing.assert_close(single.var, batched.var)
+
+
+def test_the_real_counts_are_computed_once_per_shape_and_afresh_in_a_traced_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """How many output positions read a real entry per kernel offset is host arithmetic, the same at every step:
+    eager forwards compute it once per geometry (then a cache hit, no host work, no host-to-device copy). A traced
+    forward (``torch.compiler.is_compiling()``, patched here in eager) calls the function under the cache, as
+    Dynamo would anyway, warning about the cache. Every call gives the im2col matrix's statistics."""
+    conv = nn.Conv2d(2, 3, 3, padding=1, stride=2).double()
+    x = torch.randn(4, 2, 7, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 1
+    h = im2col(x, conv)
+    _real_counts.cache_clear()
+    results = [column_moments_of_input(conv, x, conv(x))]
+    assert (_real_counts.cache_info().hits, _real_counts.cache_info().misses) == (0, 1)
+    results.append(column_moments_of_input(conv, x, conv(x)))
+    assert (_real_counts.cache_info().hits, _real_counts.cache_info().misses) == (1, 1)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    results.append(column_moments_of_input(conv, x, conv(x)))
+    assert (_real_counts.cache_info().hits, _real_counts.cache_info().misses) == (1, 1)  # the cache untouched
+    for m in results:
+        torch.testing.assert_close(m.mean, h.mean(0))
+        torch.testing.assert_close(m.var, h.var(0, correction=0))
 
 
 def test_column_and_channel_statistics_agree_for_1x1_kernels() -> None:

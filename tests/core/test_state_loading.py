@@ -91,10 +91,13 @@ def _run(pre: BNPPreconditioner, model: nn.Module, batches: list[torch.Tensor]) 
 
 @pytest.mark.parametrize("bias_correction", [False, True])
 @pytest.mark.parametrize("old_state", [False, True])
-def test_resuming_under_another_rho_gives_the_statistics_of_the_rhos_applied(bias_correction: bool,
-                                                                             old_state: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize("third_rho", [0.5, 0.7])
+def test_resuming_under_another_rho_gives_the_statistics_of_the_rhos_applied(bias_correction: bool, old_state: bool,
+                                                                             third_rho: float) -> None:  # fmt: skip
     """The training stayed exact, but ``running.mu``/``.var`` (and κ(D), from ``data_view``) recomputed ρ^t with the
-    new ρ: σ² off by 0.2 here. A state saved before the ρ's product was kept loads too (its ρ is the saved one)."""
+    new ρ: σ² off by 0.2 here. A state saved before the ρ's product was kept loads too (its ρ is the saved one).
+    Resumed a second time under a third ρ (0.7): the state saved after the first resume holds the product of the
+    first ρ's and the step it was folded at, and only the steps since that one take the second ρ."""
     model = nn.Linear(4, 2)
     first = BNPPreconditioner(model, rho=0.9, bias_correction=bias_correction)
     _run(first, model, BATCHES[:3])
@@ -110,10 +113,14 @@ def test_resuming_under_another_rho_gives_the_statistics_of_the_rhos_applied(bia
     _run(second, model, BATCHES[3:5])
     third_state = second.state_dict()
     second.detach()
-    third = BNPPreconditioner(model, rho=0.5, bias_correction=bias_correction)  # resumed again: the same ρ
-    third.load_state_dict(third_state)
+    third = BNPPreconditioner(model, rho=third_rho, bias_correction=bias_correction)  # resumed again
+    if third_rho == 0.5:  # the same ρ
+        third.load_state_dict(third_state)
+    else:
+        with pytest.warns(BNPWarning, match="rho: saved 0.5, now 0.7"):
+            third.load_state_dict(third_state)
     _run(third, model, BATCHES[5:])
-    mu, var, product = _reference([0.9] * 3 + [0.5] * 3, BATCHES)
+    mu, var, product = _reference([0.9] * 3 + [0.5] * 2 + [third_rho], BATCHES)
     running = third.layers[""].running
     assert running.steps == 6
     data_mu, data_var = (mu) / (1 - product), (var - product) / (1 - product)
