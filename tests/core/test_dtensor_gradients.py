@@ -149,3 +149,37 @@ def test_a_tensor_subclass_gradient_is_transformed_like_a_plain_one() -> None:
         assert type(q.grad) is Marked and p.grad is not None
         torch.testing.assert_close(q.grad.as_subclass(torch.Tensor), p.grad, rtol=0, atol=0)
     assert not torch.allclose(plain.bias.grad, torch.full((2,), 5.0))  # transformed: not the raw Σ of 5 ones
+
+
+def make_attention() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.MultiheadAttention(8, 2, batch_first=True)
+
+
+@pytest.mark.parametrize("replicated", ["weight", "weight-and-bias"])
+def test_replicated_dtensor_gradients_of_the_qkv_blocks_are_transformed_like_plain_ones(
+    mesh: DeviceMesh, replicated: str
+) -> None:
+    """The q, k, v blocks of ``in_proj_weight`` (one weight, three layers with their own statistics) with replicated
+    ``DTensor`` gradients: the same numbers as plain gradients. With a ``DTensor`` bias gradient the blocks are not
+    grouped into one entry (its bias update would mix a ``DTensor`` with the plain statistics): each block is
+    transformed through its own rows of the local tensor."""
+    plain_net, sharded_net = make_attention(), make_attention()
+    plain, sharded = BNPPreconditioner(plain_net), BNPPreconditioner(sharded_net)
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1)) + 0.5
+    for net in (plain_net, sharded_net):
+        net(x, x, x)[0].square().mean().backward()
+    names = ["in_proj_weight"] + (["in_proj_bias"] if replicated == "weight-and-bias" else [])
+    dtensors = {}
+    for name in names:
+        p = getattr(sharded_net, name)
+        p.grad = dtensors[name] = distribute_tensor(p.grad, mesh, [Replicate()])
+    untouched = plain_net.in_proj_weight.grad.clone()
+    plain.step()
+    sharded.step()
+    sharded_params = dict(sharded_net.named_parameters())
+    for name, p in plain_net.named_parameters():
+        got = sharded_params[name].grad
+        assert isinstance(got, DTensor) == (name in names), name
+        torch.testing.assert_close(got.to_local() if name in names else got, p.grad, msg=name)
+    assert not torch.allclose(plain_net.in_proj_weight.grad, untouched)  # transformed

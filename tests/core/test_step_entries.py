@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_bnp.core import BNPPreconditioner
+from lightning_bnp.core.statistics import Moments
+from lightning_bnp.core.step_plan import row_block_runs, row_block_spans
 
 E, HEADS, LENGTH, SOURCE = 8, 2, 2, 5
 
@@ -168,6 +170,33 @@ def test_blocks_of_differing_q2_after_a_layer_are_entries_of_their_own_beside_a_
         _steps(twin, ref, [step])
         _check(model, twin, pre)
     assert _spans(pre) == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 3), (8, 1)]
+
+
+class Marked(Tensor):
+    """A tensor subclass: not a plain gradient tensor."""
+
+
+def test_a_run_of_row_blocks_is_one_entry_only_for_one_plain_2d_gradient_and_one_host_q2() -> None:
+    """``row_block_spans``: the q, k, v blocks of one attention are one entry where their gradient is one plain 2-D
+    tensor (and their host q² agree), else each block is an entry of its own: blocks whose gradients are different
+    tensors, a gradient that is not 2-D, a tensor subclass (the grouped transform is written for plain tensors;
+    each block alone takes its rows as any layer does) or differing q²."""
+    blocks = list(BNPPreconditioner(nn.MultiheadAttention(E, HEADS)).layers.values())[:3]
+    runs = row_block_runs(blocks)
+    assert runs == ((0, 3),)
+    empty = Moments.empty(E, torch.device("cpu"))
+
+    def spans(grads: list[Tensor], q2s: list[float] | None = None) -> tuple[tuple[int, int], ...]:
+        ready = [(layer, empty, grad) for layer, grad in zip(blocks, grads)]
+        return row_block_spans(runs, ready, [None] * 3, q2s)
+
+    grad = torch.randn(3 * E, E)
+    grouped, apart = ((0, 3),), ((0, 1), (1, 1), (2, 1))
+    assert spans([grad] * 3) == spans([grad] * 3, [2.0] * 3) == grouped
+    assert spans([grad, grad.clone(), grad]) == apart
+    assert spans([grad.unsqueeze(-1)] * 3) == apart
+    assert spans([grad.as_subclass(Marked)] * 3) == apart
+    assert spans([grad] * 3, [2.0, 1.0, 2.0]) == spans([grad] * 3, [1.0, 2.0, 2.0]) == apart
 
 
 def test_the_graph_step_gets_tensor_q2s_with_one_entry_per_run_and_transforms_as_the_eager_one(
