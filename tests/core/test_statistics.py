@@ -240,6 +240,25 @@ def test_running_state_dict_round_trip_and_shape_check() -> None:
         c.load_state_dict(a.state_dict())
 
 
+def test_a_state_resumed_under_another_rho_keeps_the_saved_product_at_the_resume_and_after() -> None:
+    """Paper view σ² = v_t + Πρ: three updates under ρ = 0.9 resumed under ρ = 0.5 give, at the resume (t = 3),
+    v + 0.9³ (the ρ's the saved steps applied), and after two more steps' worth of t, v + 0.9³·0.5². A step count set
+    back by hand below the resume (t = 2) cannot know which ρ's made it: v + 0.5² (ρ^t of the current ρ)."""
+    cpu = torch.device("cpu")
+    saved = RunningStatistics(2, rho=0.9, bias_correction=False, device=cpu, dtype=torch.float64)
+    for x in (1.0, 2.0, 4.0):
+        _update(saved, torch.full((2,), x, dtype=torch.float64), torch.full((2,), x * x, dtype=torch.float64))
+    resumed = RunningStatistics(2, rho=0.5, bias_correction=False, device=cpu, dtype=torch.float64)
+    resumed.load_state_dict(saved.state_dict(), saved_rho=0.9)
+    v = saved.var_acc
+    assert resumed.steps == 3
+    torch.testing.assert_close(resumed.var, v + 0.9**3, rtol=1e-14, atol=0.0)
+    resumed.steps = 5
+    torch.testing.assert_close(resumed.var, v + 0.9**3 * 0.5**2, rtol=1e-14, atol=0.0)
+    resumed.steps = 2
+    torch.testing.assert_close(resumed.var, v + 0.5**2, rtol=1e-14, atol=0.0)
+
+
 def test_decay_offset_is_carried_by_the_state_and_converted_when_the_settings_differ() -> None:
     """``decay`` = ρ^t + κ (the paper view's ε2 folded in, κ = ε2/(1 + ε1)): a state saved with one κ loads into
     another as ρ^t + the new κ, a state saved before κ existed (plain ρ^t) as ρ^t + κ, the same κ bit for bit."""
