@@ -132,7 +132,16 @@ class Marked(torch.Tensor):
     """A tensor subclass without ``to_local``: not a DTensor."""
 
 
-def test_a_tensor_subclass_gradient_is_transformed_like_a_plain_one() -> None:
+class WithLocal(torch.Tensor):
+    """A tensor subclass with a ``to_local`` (a plain view of its storage) but no ``placements``: not sharded."""
+
+    def to_local(self) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor)
+
+
+@pytest.mark.parametrize("subclass", [Marked, WithLocal])
+def test_a_tensor_subclass_gradient_is_transformed_like_a_plain_one(subclass: type[torch.Tensor]) -> None:
+    """Marked: transformed as it is; WithLocal: through its local tensor, in place (no placements: nothing sharded)."""
     torch.manual_seed(0)
     plain, marked = nn.Linear(3, 2), nn.Linear(3, 2)
     marked.load_state_dict(plain.state_dict())
@@ -142,11 +151,11 @@ def test_a_tensor_subclass_gradient_is_transformed_like_a_plain_one() -> None:
     marked(x).sum().backward()
     for p in marked.parameters():
         assert p.grad is not None
-        p.grad = p.grad.as_subclass(Marked)
+        p.grad = p.grad.as_subclass(subclass)
     pre_plain.step()
     pre_marked.step()
     for p, q in zip(plain.parameters(), marked.parameters()):
-        assert type(q.grad) is Marked and p.grad is not None
+        assert type(q.grad) is subclass and p.grad is not None
         torch.testing.assert_close(q.grad.as_subclass(torch.Tensor), p.grad, rtol=0, atol=0)
     assert not torch.allclose(plain.bias.grad, torch.full((2,), 5.0))  # transformed: not the raw Σ of 5 ones
 

@@ -348,6 +348,28 @@ class KeywordNet(nn.Module):
         return self.net[2](input=self.net[1](self.net[0](input=x)))
 
 
+def test_a_bias_registered_after_set_up_is_left_as_autograd_gave_it() -> None:
+    """A Linear set up without a bias keeps the bias-free P it was set up with (uncentred statistics, no centring
+    block) when a bias is registered on it later: P has no block for the new bias, whose gradient stays as autograd
+    gave it (two rows: q² = 3/2, so a transformed one would differ), and the weight's gradient is the bias-free
+    layer's."""
+    torch.manual_seed(0)
+    late, plain = nn.Linear(3, 2, bias=False).double(), nn.Linear(3, 2, bias=False).double()
+    plain.load_state_dict(late.state_dict())
+    pre_late, pre_plain = BNPPreconditioner(late), BNPPreconditioner(plain)
+    late.bias = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    x = torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 1
+    for net in (late, plain):
+        net(x).square().sum().backward()
+    assert late.bias.grad is not None
+    raw = late.bias.grad.clone()
+    pre_late.step()
+    pre_plain.step()
+    assert torch.equal(late.bias.grad, raw)
+    assert plain.weight.grad is not None and late.weight.grad is not None
+    torch.testing.assert_close(late.weight.grad, plain.weight.grad, rtol=0, atol=0)
+
+
 def test_a_layer_called_with_a_keyword_argument_is_preconditioned() -> None:
     """Issue 15 item 8: ``self.fc(input=x)`` raised ``IndexError: tuple index out of range`` in the hook."""
     net, ref = KeywordNet(), make_net()
