@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_bnp import BNPPreconditioner
-from lightning_bnp.core import BNPWarning
+from lightning_bnp.core import BNPWarning, reached, recompute
+from tests.core.test_token_masks import check_moments
 from tests.helpers import spy_moments
 
 STEPS, BATCH = 3, 5
@@ -175,3 +176,22 @@ def test_a_gradient_from_autograd_grad_assigned_to_grad_is_named_at_the_step() -
         pre.step()
     assert sorted(name for name in pre.layers if any(f"'{name}'" in str(w.message) for w in caught)) == ["0", "2"]
     assert all(layer.transform is None for layer in pre.layers.values())
+
+
+def test_without_graph_task_ids_a_forward_counts_as_soon_as_a_backward_reaches_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch without ``torch._C._current_graph_task_id`` (BNP's fallback: no backward is ever running): nothing
+    waits for a backward that may never accumulate the weight, so a forward counts when a backward reaches it —
+    the FGSM attack's forward too, as before BNP told them apart (5 + 5 rows, not 5)."""
+    monkeypatch.setattr(reached, "current_task", reached._no_task)
+    monkeypatch.setattr(recompute, "current_task", reached._no_task)
+    net = _net()
+    pre = BNPPreconditioner(net, statistics="batch")
+    seen = spy_moments(pre)
+    x, y = _batch(0)
+    adversarial = _fgsm(net, x, y)
+    net.zero_grad()
+    F.cross_entropy(net(adversarial), y).backward()
+    pre.step()
+    check_moments(seen["0"], torch.cat([x, adversarial]))
