@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_bnp import BNPPreconditioner
+from lightning_bnp.core import collection, recompute
+from lightning_bnp.core.recompute import replayed
 from tests.core.test_token_masks import Block, check_moments, padded
 from tests.helpers import spy_moments
 
@@ -221,3 +223,53 @@ def test_a_reentrant_recomputation_in_the_first_backward_of_a_process_counts_und
         [sys.executable, "-c", FIRST_BACKWARD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_backward_forwards_look_for_a_replayed_context_only_once_a_reentrant_checkpoint_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Until a reentrant checkpoint's first run met a managed module, a training forward (with or without
+    gradients: a teacher pass under ``no_grad``) does not look up the autograd node it runs under."""
+    looked: list[object] = []
+
+    def counting(owner: object) -> object:
+        looked.append(owner)
+        return replayed(owner)
+
+    monkeypatch.setattr(collection, "replayed", counting)
+    net = _mlp()
+    pre = BNPPreconditioner(net, statistics="batch")
+    x, _ = padded()
+    with torch.no_grad():
+        net(x)  # a training forward without gradients, outside any checkpoint
+    net(x).sum().backward()
+    pre.step()
+    assert looked == []
+    x.requires_grad_()
+    checkpoint(net, x, use_reentrant=True).sum().backward()
+    pre.step()
+    assert len(looked) == 3  # from then on: the first run's second Linear call, the recomputation's two
+
+
+@pytest.mark.stack  # counts frames: outside `make mutate` (its trampolines are frames)
+def test_the_checkpoints_forward_is_looked_for_in_the_max_depth_frames_above_the_hooks_caller() -> None:
+    """``_outermost_checkpoint`` skips its own frame and its caller's (``remember``) and reads the next
+    ``_MAX_DEPTH`` frames: a checkpointed function that calls through k nested frames is found up to the limit,
+    and not one frame past it (the cost of the walk stays bounded)."""
+    found: list[object] = []
+
+    def remember() -> None:  # stands for recompute.remember: the caller _outermost_checkpoint skips
+        found.append(recompute._outermost_checkpoint())
+
+    def nested(levels: int, x: Tensor) -> Tensor:
+        if levels:
+            return nested(levels - 1, x)
+        remember()
+        return x * 2
+
+    # frames above _outermost_checkpoint: remember, nested × (k + 1), the lambda, CheckpointFunction.forward
+    deepest = recompute._MAX_DEPTH - 3  # CheckpointFunction.forward is then frame 2 + _MAX_DEPTH − 1, the last read
+    x = torch.ones(2, requires_grad=True)
+    for levels in (0, deepest, deepest + 1):
+        checkpoint(lambda t, k=levels: nested(k, t), x, use_reentrant=True)
+    assert [ctx is not None for ctx in found] == [True, True, False]
