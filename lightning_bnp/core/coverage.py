@@ -86,7 +86,7 @@ def coverage(
         layer = managed.get(id(p))
         missing = _missing_blocks(p, layer, layers, scan.known) if layer is not None else []
         if missing:  # some row blocks of a packed weight (e.g. q, k, v of in_proj_weight) are not managed
-            reason = f"row blocks {missing} of it dropped by `include`/`exclude`; the others are transformed"
+            reason = _missing_reason(missing, scan.selected_kinds)
             (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
             continue
         if layer is not None:
@@ -181,10 +181,20 @@ def _weight_of(kind: LayerKind, module: nn.Module) -> object:
         return None
 
 
+def _missing_reason(missing: list[tuple[str, LayerKind]], selected: Sequence[LayerKind]) -> str:
+    """Why the row blocks ``missing`` (layer name, kind) of a packed weight are not transformed: their kinds left out
+    of ``layer_types``, or their layers dropped by ``include``/``exclude``."""
+    unselected = [name for name, kind in missing if kind not in selected]
+    dropped = [name for name, kind in missing if kind in selected]
+    parts = [f"row blocks {unselected} of it not in `layer_types`"] if unselected else []
+    parts += [f"row blocks {dropped} of it dropped by `include`/`exclude`"] if dropped else []
+    return "; ".join([*parts, "the others are transformed"])
+
+
 def _missing_blocks(
     p: object, layer: ManagedLayer, layers: Sequence[ManagedLayer], known: Sequence[LayerKind]
-) -> list[str]:
-    """Names of the layers that would feed other row blocks of ``p`` (several kinds on one module) and are not
+) -> list[tuple[str, LayerKind]]:
+    """The layers (name, kind) that would feed other row blocks of ``p`` (several kinds on one module) and are not
     managed."""
     if not layer.kind.suffix:
         return []
@@ -192,4 +202,4 @@ def _missing_blocks(
     module = layer.module
     expected = [k for k in kinds_of(module, known) if _weight_of(k, module) is p]
     owner = module_name(layer.name, layer.kind.suffix)
-    return [layer_name(owner, k.suffix) for k in expected if (id(module), k.name) not in feeding]
+    return [(layer_name(owner, k.suffix), k) for k in expected if (id(module), k.name) not in feeding]

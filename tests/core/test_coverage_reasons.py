@@ -359,6 +359,20 @@ def test_a_packed_weight_is_judged_by_the_kinds_that_feed_it() -> None:
     pre.detach()
 
 
+def test_row_blocks_of_a_packed_weight_left_out_of_layer_types_are_named_for_that() -> None:
+    """``attn.v`` whose kind ``layer_types`` leaves out is not "dropped by `include`/`exclude`" (as it was said);
+    ``attn.k``, excluded by name, is."""
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(4, 2), "b": nn.Linear(4, 4)})
+    kinds = ["MultiheadAttention.q", "MultiheadAttention.k", "MultiheadAttention.out_proj"]
+    pre = BNPPreconditioner(model, layer_types=kinds, exclude=["attn.k"])
+    assert list(pre.layers) == ["attn.q", "attn.out_proj"]
+    assert pre.skipped["attn.in_proj_weight"] == (
+        "row blocks ['attn.v'] of it not in `layer_types`; row blocks ['attn.k'] of it dropped by "
+        "`include`/`exclude`; the others are transformed"
+    )
+    pre.detach()
+
+
 def test_an_attention_whose_q_k_and_v_are_all_excluded_names_the_first_pattern() -> None:
     """``exclude`` matches ``attn.q``, the layer's name (module name plus the kind's suffix)."""
     model = nn.ModuleDict({"attn": nn.MultiheadAttention(4, 2), "b": nn.Linear(4, 4)})
