@@ -195,3 +195,58 @@ def test_without_graph_task_ids_a_forward_counts_as_soon_as_a_backward_reaches_i
     F.cross_entropy(net(adversarial), y).backward()
     pre.step()
     check_moments(seen["0"], torch.cat([x, adversarial]))
+
+
+def test_a_layer_paused_in_a_backward_that_counts_another_counts_nothing() -> None:
+    """The backward accumulates layer 0's gradient but reached no forward of it (paused): nothing is counted for
+    it (the step names it), and layer 2's rows count."""
+    net = _net()
+    pre = BNPPreconditioner(net, statistics="batch")
+    seen = spy_moments(pre)
+    x, y = _batch(0)
+    with pre.paused():
+        h = net[0](x)
+    F.cross_entropy(net[2](net[1](h)), y).backward()
+    with pytest.warns(BNPWarning, match=r"BNP layer '0' \(Linear\): has a gradient but its forward never ran"):
+        pre.step()
+    assert sorted(seen) == ["2"]
+    check_moments(seen["2"], torch.tanh(h).detach())
+
+
+def _raising_backward(net: nn.Module, x: Tensor, y: Tensor) -> None:
+    h = net[1](net[0](x))
+
+    def stop(grad: Tensor) -> Tensor:
+        raise RuntimeError("stop")
+
+    h.register_hook(stop)  # after the pre-hooks of layer 2's output node held its forward
+    with pytest.raises(RuntimeError, match="stop"):
+        F.cross_entropy(net[2](h), y).backward()
+
+
+def test_what_a_backward_held_is_dropped_when_it_ends_and_at_most_64_backwards_that_raised_are_kept() -> None:
+    """A saliency backward reaches every output and accumulates nothing: its holds are dropped when it ends. A
+    backward that raised never ends: its holds are kept, the oldest dropped past 64 such backwards."""
+    net = _net()
+    pre = BNPPreconditioner(net)
+    held = pre._collection.tasks.held
+    x, y = _batch(0)
+    probe = x.clone().requires_grad_()
+    torch.autograd.grad(net(probe).max(1).values.sum(), probe)
+    assert held == {}
+    for _ in range(70):
+        _raising_backward(net, x, y)
+    assert len(held) == 64
+
+
+def test_a_preconditioner_detached_during_a_backward_lets_that_backward_end() -> None:
+    """``detach()`` from a hook in the middle of a backward (after BNP held what it reached): the backward ends
+    as without BNP, and nothing is counted."""
+    net = _net()
+    pre = BNPPreconditioner(net, statistics="batch")
+    x, y = _batch(0)
+    h = net[1](net[0](x))
+    h.register_hook(lambda grad: pre.detach())
+    F.cross_entropy(net[2](h), y).backward()
+    assert all(p.grad is not None for p in net.parameters())
+    assert all(layer.moments is None for layer in pre.layers.values())
