@@ -439,3 +439,14 @@ def test_a_kinds_left_alone_reason_is_asked_only_for_a_parameter_no_kind_feeds()
         pre.detach()
     finally:
         unregister_layer_kind("Gated")
+
+
+def test_a_managed_layer_frozen_for_now_is_named_as_transformed_once_it_trains() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].weight.requires_grad_(False)
+    pre = BNPPreconditioner(model)
+    assert list(pre.layers) == ["0", "1"]  # managed all the same: unfreezing later works
+    assert pre.coverage.transformed == ("1.weight",)
+    assert pre.skipped == {"0.weight": "frozen (requires_grad=False); transformed once it trains"}
+    assert pre.coverage.trainable == 1
+    pre.detach()
