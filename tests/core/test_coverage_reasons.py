@@ -390,6 +390,7 @@ class Shapes(nn.Module):
         self.row = nn.Parameter(torch.zeros(1, 4))  # 2-D: a weight matrix, whatever its sizes
         self.slab = nn.Parameter(torch.zeros(4, 2, 1))  # two dimensions above 1 (one above 2): a matrix
         self.scale = nn.Parameter(torch.ones(4, 1, 1))  # ≥ 3 dimensions, one above 1: elementwise
+        self.shift = nn.Parameter(torch.zeros(1, 1, 4))  # another: neither counted
 
 
 def test_only_a_parameter_of_three_or_more_dimensions_with_one_above_1_is_an_elementwise_scale() -> None:
@@ -400,6 +401,10 @@ def test_only_a_parameter_of_three_or_more_dimensions_with_one_above_1_is_an_ele
         "0.slab": unknown,
         "0.scale": (
             "elementwise scale or shift of Shapes, shape (4, 1, 1): not a layer's weight matrix (one dimension "
+            "above 1), left to the optimizer"
+        ),
+        "0.shift": (
+            "elementwise scale or shift of Shapes, shape (1, 1, 4): not a layer's weight matrix (one dimension "
             "above 1), left to the optimizer"
         ),
     }
