@@ -17,7 +17,7 @@ from the one scan of the model (:func:`~lightning_bnp.core.model_scan.scan_model
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
@@ -86,7 +86,7 @@ def coverage(
         layer = managed.get(id(p))
         missing = _missing_blocks(p, layer, layers, scan.known) if layer is not None else []
         if missing:  # some row blocks of a packed weight (e.g. q, k, v of in_proj_weight) are not managed
-            reason = f"row blocks {missing} of it dropped by `include`/`exclude`; the others are transformed"
+            reason = _missing_reason(missing, scan.selected_kinds)
             (trainable if p.requires_grad else frozen)[name] = reason if p.requires_grad else f"frozen; {reason}"
             continue
         if layer is not None:
@@ -110,9 +110,9 @@ def _reason(
     exclude: Sequence[str] | None,
 ) -> str:
     owner_name, _, attr = name.rpartition(".")
-    if ".parametrizations." in f".{name}":  # <module>.parametrizations.<tensor>.original…: the module's <tensor>
-        prefix, _, path = f".{name}".partition(".parametrizations.")
-        owner_name, attr = prefix[1:], path.partition(".")[0]
+    parametrized = _parametrized_tensor(name, scan.modules)
+    if parametrized is not None:  # <module>.parametrizations.<tensor>.original…: the module's <tensor>
+        owner_name, attr = parametrized
     owner = scan.modules.get(owner_name)
     if owner is None:
         return "not held by a module BNP can find"
@@ -127,7 +127,8 @@ def _reason(
         return "embedding (embeddings=False)"
     if isinstance(owner, nn.EmbeddingBag):
         return f"embedding ({cls.__name__}: not a layer kind BNP manages)"
-    fed = any(_weight_of(k, owner) is parameter for k in kinds)
+    feeding = [k for k in kinds if _weight_of(k, owner) is parameter]
+    fed = bool(feeding)
     # a kind of its type may say why it feeds no kind in this form (core/recurrent.py: a multi-layer module's weights)
     typed = (k for k in scan.known if isinstance(owner, k.module_types())) if not fed else ()
     why = next((w for k in typed if (w := k.left_alone(owner, attr)) is not None), None)
@@ -139,24 +140,38 @@ def _reason(
         return f"{ELEMENTWISE} of {cls.__name__}, shape {tuple(parameter.shape)}: {NOT_A_MATRIX}"
     if not kinds:
         return f"unknown layer type {cls.__module__}.{cls.__qualname__} (teach BNP with register_layer_kind)"
-    if not any(k in selected_kinds for k in kinds):
-        return f"layer type {kinds[0].name!r} is not in `layer_types`"
+    # judged by the kinds that feed it (an attention's packed q, k, v can be left out of `layer_types` while its
+    # out_proj's is in), and under the names `select_layer_kinds` matches: its module's name and its selected kinds'
+    # layer names (`attn.q`); a module that a parent's selected kind feeds in its place, under the parent's names
+    # only (ModelScan.claims: also where it is reached first under another name, a module shared elsewhere)
+    claimers = scan.claimer_names(owner)
+    deciding = feeding or kinds
+    selectable = [k for k in deciding if k in selected_kinds]
+    if not selectable and not claimers:
+        return f"layer type {deciding[0].name!r} is not in `layer_types`"
     if not fed:
         return f"a parameter of its {cls.__name__} layer that no layer kind feeds"
-    # a layer's name is its module's, or its parent's plus a suffix (`attn.q`, `attn.out_proj`: core/attention.py);
-    # a module that a parent feeds in its place is selected under the parent's names only (ModelScan.claims: also
-    # where it is reached first under another name, a module shared elsewhere in the model)
-    names = scan.claimer_names(owner) or (
-        owner_name,
-        owner_name.rpartition(".")[0],
-        *(layer_name(owner_name, k.suffix) for k in kinds),
-    )
+    names = claimers or (owner_name, *(layer_name(owner_name, k.suffix) for k in selectable))
     if include is not None and not any(fnmatchcase(n, p) for n in names for p in include):
         return f"not matched by `include` {list(include)}"
     matched = [p for p in exclude or () if any(fnmatchcase(n, p) for n in names)]
     if matched:
         return f"excluded by `exclude` pattern {matched[0]!r}"
     return "reparametrized (torch.nn.utils.parametrize) in a form BNP does not follow"
+
+
+def _parametrized_tensor(name: str, modules: Mapping[str, nn.Module]) -> tuple[str, str] | None:
+    """``(module, tensor)`` for a parameter ``<module>.parametrizations.<tensor>.…`` of torch.nn.utils.parametrize
+    (the original, or a parametrization's own parameter: it shapes that tensor), by the outermost parametrized
+    module on its path; None for any other parameter (a module merely named ``parametrizations`` is not one)."""
+    dotted, marker, start = f".{name}", ".parametrizations.", 0
+    while (found := dotted.find(marker, start)) >= 0:
+        prefix, tensor = dotted[1:found], dotted[found + len(marker) :].partition(".")[0]
+        held = getattr(modules.get(prefix), "parametrizations", None)
+        if isinstance(held, nn.ModuleDict) and isinstance(held._modules.get(tensor), parametrize.ParametrizationList):
+            return prefix, tensor
+        start = found + 1
+    return None
 
 
 def _weight_of(kind: LayerKind, module: nn.Module) -> object:
@@ -166,10 +181,20 @@ def _weight_of(kind: LayerKind, module: nn.Module) -> object:
         return None
 
 
+def _missing_reason(missing: list[tuple[str, LayerKind]], selected: Sequence[LayerKind]) -> str:
+    """Why the row blocks ``missing`` (layer name, kind) of a packed weight are not transformed: their kinds left out
+    of ``layer_types``, or their layers dropped by ``include``/``exclude``."""
+    unselected = [name for name, kind in missing if kind not in selected]
+    dropped = [name for name, kind in missing if kind in selected]
+    parts = [f"row blocks {unselected} of it not in `layer_types`"] if unselected else []
+    parts += [f"row blocks {dropped} of it dropped by `include`/`exclude`"] if dropped else []
+    return "; ".join([*parts, "the others are transformed"])
+
+
 def _missing_blocks(
     p: object, layer: ManagedLayer, layers: Sequence[ManagedLayer], known: Sequence[LayerKind]
-) -> list[str]:
-    """Names of the layers that would feed other row blocks of ``p`` (several kinds on one module) and are not
+) -> list[tuple[str, LayerKind]]:
+    """The layers (name, kind) that would feed other row blocks of ``p`` (several kinds on one module) and are not
     managed."""
     if not layer.kind.suffix:
         return []
@@ -177,4 +202,4 @@ def _missing_blocks(
     module = layer.module
     expected = [k for k in kinds_of(module, known) if _weight_of(k, module) is p]
     owner = module_name(layer.name, layer.kind.suffix)
-    return [layer_name(owner, k.suffix) for k in expected if (id(module), k.name) not in feeding]
+    return [(layer_name(owner, k.suffix), k) for k in expected if (id(module), k.name) not in feeding]

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
-from lightning_bnp import BNPPreconditioner
+from lightning_bnp import BNPPreconditioner, LayerKind, register_layer_kind
 from lightning_bnp.core import BNPWarning
 from lightning_bnp.core.conditioning import Equilibration
+from lightning_bnp.core.kinds import unregister_layer_kind
 from tests.helpers import Affine
 
 FOLLOWS_NOT = "; the optimizer updates those tensors, whose gradient is Jᵀ·∂L/∂weight, for which BNP's transform "
@@ -243,4 +244,214 @@ def test_a_recurrent_model_has_every_weight_matrix_transformed_or_named_with_its
         model(torch.randint(0, 50, (2, 4))).square().sum().backward()
         pre.step()
     assert all(layer.transform is not None for layer in pre.layers.values())
+    pre.detach()
+
+
+class Mix(nn.Module):
+    """A parametrization with a weight matrix of its own: ``x @ mixing``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixing = nn.Parameter(torch.eye(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.mixing
+
+
+def test_a_parametrizations_own_parameters_are_named_for_the_tensor_they_shape() -> None:
+    """``0.parametrizations.pos.0.mixing`` shapes ``pos``: named for it (not ``'pos.0'``), also when the
+    parametrization's own matrix is parametrized in turn (``….pos.0.parametrizations.mixing.original``: the
+    outermost parametrized module owns it, not the parametrization module, which is no layer type to teach BNP)."""
+    table, mix = Table(), Mix()
+    parametrize.register_parametrization(table, "pos", mix)
+    positional = "embedding / positional parameter 'pos' of Table"
+    pre = BNPPreconditioner(nn.Sequential(table, nn.Linear(4, 4)))
+    assert pre.skipped == {
+        "0.embed_matrix": "embedding / positional parameter 'embed_matrix' of Table",
+        "0.parametrizations.pos.original": positional,
+        "0.parametrizations.pos.0.mixing": positional,
+    }
+    pre.detach()
+    parametrize.register_parametrization(mix, "mixing", Double())
+    pre = BNPPreconditioner(nn.Sequential(table, nn.Linear(4, 4)))
+    assert pre.skipped["0.parametrizations.pos.0.parametrizations.mixing.original"] == positional
+    assert len(pre.skipped) == 3
+    pre.detach()
+
+
+def test_a_module_merely_named_parametrizations_is_not_read_as_a_parametrization() -> None:
+    """A container named ``parametrizations`` above an orthogonal Linear: the Linear's reason (as without the
+    container's name), where the root container was called an unknown layer type."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BNPWarning)  # the reparametrized layer is also named in a warning
+        orthogonal = parametrizations.orthogonal(nn.Linear(4, 4))
+        model = nn.ModuleDict({"parametrizations": nn.ModuleDict({"x": orthogonal}), "b": nn.Linear(4, 4)})
+        pre = BNPPreconditioner(model)
+    reason = (
+        "left alone: its weight is computed by torch.nn.utils.parametrize (_Orthogonal) from "
+        f"parametrizations.weight.original{FOLLOWS_NOT}"
+    )
+    assert pre.skipped == {"parametrizations.x.parametrizations.weight.original": reason}
+    pre.detach()
+
+
+class Adapted(nn.Linear):
+    """A Linear holding an adapter Linear of its own (a hand-written LoRA-style layer)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.adapter = nn.Linear(4, 4)
+
+
+def test_a_linear_inside_an_included_linear_is_named_for_the_include_it_does_not_match() -> None:
+    """``include`` matches a layer by its own name (``a``), not its parent's: ``a.adapter`` is left out by the
+    pattern, which the reason names (it said "reparametrized … in a form BNP does not follow": the parent's name
+    was taken for one of the adapter's)."""
+    pre = BNPPreconditioner(nn.ModuleDict({"a": Adapted(), "b": nn.Linear(4, 4)}), include=["a"])
+    assert list(pre.layers) == ["a"]
+    assert pre.skipped == {
+        "a.adapter.weight": "not matched by `include` ['a']",
+        "b.weight": "not matched by `include` ['a']",
+    }
+    pre.detach()
+    nested = nn.ModuleDict({"x": nn.ModuleDict({"a": Adapted()}), "b": nn.Linear(4, 4)})
+    pre = BNPPreconditioner(nested, include=["x.a"])
+    assert pre.skipped["x.a.adapter.weight"] == "not matched by `include` ['x.a']"
+    pre.detach()
+
+
+def test_a_packed_weight_is_judged_by_the_kinds_that_feed_it() -> None:
+    """An attention's ``in_proj_weight`` is fed by its q, k, v kinds alone (a GRU's ``weight_hh_l0`` by its hh
+    kinds), under their layer names where ``layer_types`` selects them: left out of ``layer_types``, or by an
+    ``include`` that matches only ``attn.out_proj`` or the name of an unselected kind's layer, it is named for that
+    (it was "reparametrized … in a form BNP does not follow", or excluded by the out_proj's pattern)."""
+    attention = nn.ModuleDict({"attn": nn.MultiheadAttention(4, 2), "b": nn.Linear(4, 4)})
+    pre = BNPPreconditioner(attention, layer_types=["MultiheadAttention.out_proj"])
+    assert list(pre.layers) == ["attn.out_proj"]
+    assert pre.skipped == {
+        "attn.in_proj_weight": "layer type 'MultiheadAttention.q' is not in `layer_types`",
+        "b.weight": "layer type 'Linear' is not in `layer_types`",
+    }
+    pre.detach()
+    pre = BNPPreconditioner(attention, include=["attn.out_proj", "b"])
+    assert pre.skipped == {"attn.in_proj_weight": "not matched by `include` ['attn.out_proj', 'b']"}
+    pre.detach()
+    with_conv = nn.ModuleDict({"attn": nn.MultiheadAttention(4, 2), "kconv": nn.Conv1d(4, 4, 1)})
+    pre = BNPPreconditioner(with_conv, layer_types=["MultiheadAttention.q", "Conv1d"], include=["*k*"])
+    assert list(pre.layers) == ["kconv"]  # `*k*` matches attn.k, whose kind is not selected: not attn.q
+    assert pre.skipped == {
+        "attn.in_proj_weight": "not matched by `include` ['*k*']",
+        "attn.out_proj.weight": "layer type 'Linear' is not in `layer_types`",
+    }
+    pre.detach()
+    pre = BNPPreconditioner(with_conv, layer_types=["MultiheadAttention.out_proj", "Conv1d"], exclude=["attn.out_proj"])
+    assert pre.skipped == {  # out_proj: fed by the attention's selected kind in its place, which `exclude` drops
+        "attn.in_proj_weight": "layer type 'MultiheadAttention.q' is not in `layer_types`",
+        "attn.out_proj.weight": "excluded by `exclude` pattern 'attn.out_proj'",
+    }
+    pre.detach()
+    recurrent = nn.ModuleDict({"rnn": nn.GRU(4, 3), "b": nn.Linear(4, 4)})
+    pre = BNPPreconditioner(recurrent, layer_types=["GRU.ih_l0.n", "GRU.ih_l0.rz"])
+    assert pre.skipped == {
+        "rnn.weight_hh_l0": "layer type 'GRU.hh_l0.rz' is not in `layer_types`",
+        "b.weight": "layer type 'Linear' is not in `layer_types`",
+    }
+    pre.detach()
+
+
+def test_row_blocks_of_a_packed_weight_left_out_of_layer_types_are_named_for_that() -> None:
+    """``attn.v`` whose kind ``layer_types`` leaves out is not "dropped by `include`/`exclude`" (as it was said);
+    ``attn.k``, excluded by name, is."""
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(4, 2), "b": nn.Linear(4, 4)})
+    kinds = ["MultiheadAttention.q", "MultiheadAttention.k", "MultiheadAttention.out_proj"]
+    pre = BNPPreconditioner(model, layer_types=kinds, exclude=["attn.k"])
+    assert list(pre.layers) == ["attn.q", "attn.out_proj"]
+    assert pre.skipped["attn.in_proj_weight"] == (
+        "row blocks ['attn.v'] of it not in `layer_types`; row blocks ['attn.k'] of it dropped by "
+        "`include`/`exclude`; the others are transformed"
+    )
+    pre.detach()
+
+
+def test_an_attention_whose_q_k_and_v_are_all_excluded_names_the_first_pattern() -> None:
+    """``exclude`` matches ``attn.q``, the layer's name (module name plus the kind's suffix)."""
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(4, 2), "b": nn.Linear(4, 4)})
+    pre = BNPPreconditioner(model, exclude=["attn.k", "attn.q", "attn.v"])
+    assert list(pre.layers) == ["attn.out_proj", "b"]
+    assert pre.skipped == {"attn.in_proj_weight": "excluded by `exclude` pattern 'attn.k'"}
+    pre.detach()
+
+
+class Shapes(nn.Module):
+    """Parameters of an unknown type with few dimensions above 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.row = nn.Parameter(torch.zeros(1, 4))  # 2-D: a weight matrix, whatever its sizes
+        self.slab = nn.Parameter(torch.zeros(4, 2, 1))  # two dimensions above 1 (one above 2): a matrix
+        self.scale = nn.Parameter(torch.ones(4, 1, 1))  # ≥ 3 dimensions, one above 1: elementwise
+        self.shift = nn.Parameter(torch.zeros(1, 1, 4))  # another: neither counted
+
+
+def test_only_a_parameter_of_three_or_more_dimensions_with_one_above_1_is_an_elementwise_scale() -> None:
+    pre = BNPPreconditioner(nn.Sequential(Shapes(), nn.Linear(4, 4)))
+    unknown = "unknown layer type tests.core.test_coverage_reasons.Shapes (teach BNP with register_layer_kind)"
+    assert pre.skipped == {
+        "0.row": unknown,
+        "0.slab": unknown,
+        "0.scale": (
+            "elementwise scale or shift of Shapes, shape (4, 1, 1): not a layer's weight matrix (one dimension "
+            "above 1), left to the optimizer"
+        ),
+        "0.shift": (
+            "elementwise scale or shift of Shapes, shape (1, 1, 4): not a layer's weight matrix (one dimension "
+            "above 1), left to the optimizer"
+        ),
+    }
+    assert pre.coverage.trainable == 3  # 1.weight, 0.row, 0.slab
+    pre.detach()
+
+
+class Gated(nn.Linear):
+    """A Linear with a gate matrix that its kind does not feed."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.gate = nn.Parameter(torch.zeros(4, 4))
+
+
+class GatedKind(LayerKind):
+    name = "Gated"
+    module_type = Gated
+
+    def left_alone(self, module: nn.Module, attribute: str) -> str | None:
+        return f"the gate {attribute!r} of a Gated layer is left to the optimizer"
+
+
+def test_a_kinds_left_alone_reason_is_asked_only_for_a_parameter_no_kind_feeds() -> None:
+    """``LayerKind.left_alone`` explains a parameter no kind feeds: the weight it feeds, excluded, is named for the
+    pattern."""
+    register_layer_kind(GatedKind())
+    try:
+        model = nn.ModuleDict({"g": Gated(), "h": Gated()})
+        pre = BNPPreconditioner(model, layer_types=["Gated"], exclude=["h"])
+        assert list(pre.layers) == ["g"]
+        assert pre.skipped == {
+            "g.gate": "the gate 'gate' of a Gated layer is left to the optimizer",
+            "h.weight": "excluded by `exclude` pattern 'h'",
+            "h.gate": "the gate 'gate' of a Gated layer is left to the optimizer",
+        }
+        pre.detach()
+    finally:
+        unregister_layer_kind("Gated")
+
+
+def test_a_managed_layer_frozen_for_now_is_named_as_transformed_once_it_trains() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].weight.requires_grad_(False)
+    pre = BNPPreconditioner(model)
+    assert list(pre.layers) == ["0", "1"]  # managed all the same: unfreezing later works
+    assert pre.coverage.transformed == ("1.weight",)
+    assert pre.skipped == {"0.weight": "frozen (requires_grad=False); transformed once it trains"}
+    assert pre.coverage.trainable == 1
     pre.detach()

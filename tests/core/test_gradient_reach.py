@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_bnp import BNPPreconditioner
-from lightning_bnp.core import BNPWarning
+from lightning_bnp.core import BNPWarning, reached, recompute
+from tests.core.test_token_masks import check_moments
 from tests.helpers import spy_moments
 
 STEPS, BATCH = 3, 5
@@ -175,3 +176,77 @@ def test_a_gradient_from_autograd_grad_assigned_to_grad_is_named_at_the_step() -
         pre.step()
     assert sorted(name for name in pre.layers if any(f"'{name}'" in str(w.message) for w in caught)) == ["0", "2"]
     assert all(layer.transform is None for layer in pre.layers.values())
+
+
+def test_without_graph_task_ids_a_forward_counts_as_soon_as_a_backward_reaches_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch without ``torch._C._current_graph_task_id`` (BNP's fallback: no backward is ever running): nothing
+    waits for a backward that may never accumulate the weight, so a forward counts when a backward reaches it —
+    the FGSM attack's forward too, as before BNP told them apart (5 + 5 rows, not 5)."""
+    monkeypatch.setattr(reached, "current_task", reached._no_task)
+    monkeypatch.setattr(recompute, "current_task", reached._no_task)
+    net = _net()
+    pre = BNPPreconditioner(net, statistics="batch")
+    seen = spy_moments(pre)
+    x, y = _batch(0)
+    adversarial = _fgsm(net, x, y)
+    net.zero_grad()
+    F.cross_entropy(net(adversarial), y).backward()
+    pre.step()
+    check_moments(seen["0"], torch.cat([x, adversarial]))
+
+
+def test_a_layer_paused_in_a_backward_that_counts_another_counts_nothing() -> None:
+    """The backward accumulates layer 0's gradient but reached no forward of it (paused): nothing is counted for
+    it (the step names it), and layer 2's rows count."""
+    net = _net()
+    pre = BNPPreconditioner(net, statistics="batch")
+    seen = spy_moments(pre)
+    x, y = _batch(0)
+    with pre.paused():
+        h = net[0](x)
+    F.cross_entropy(net[2](net[1](h)), y).backward()
+    with pytest.warns(BNPWarning, match=r"BNP layer '0' \(Linear\): has a gradient but its forward never ran"):
+        pre.step()
+    assert sorted(seen) == ["2"]
+    check_moments(seen["2"], torch.tanh(h).detach())
+
+
+def _raising_backward(net: nn.Module, x: Tensor, y: Tensor) -> None:
+    h = net[1](net[0](x))
+
+    def stop(grad: Tensor) -> Tensor:
+        raise RuntimeError("stop")
+
+    h.register_hook(stop)  # after the pre-hooks of layer 2's output node held its forward
+    with pytest.raises(RuntimeError, match="stop"):
+        F.cross_entropy(net[2](h), y).backward()
+
+
+def test_what_a_backward_held_is_dropped_when_it_ends_and_at_most_64_backwards_that_raised_are_kept() -> None:
+    """A saliency backward reaches every output and accumulates nothing: its holds are dropped when it ends. A
+    backward that raised never ends: its holds are kept, the oldest dropped past 64 such backwards."""
+    net = _net()
+    pre = BNPPreconditioner(net)
+    held = pre._collection.tasks.held
+    x, y = _batch(0)
+    probe = x.clone().requires_grad_()
+    torch.autograd.grad(net(probe).max(1).values.sum(), probe)
+    assert held == {}
+    for _ in range(70):
+        _raising_backward(net, x, y)
+    assert len(held) == 64
+
+
+def test_a_preconditioner_detached_during_a_backward_lets_that_backward_end() -> None:
+    """``detach()`` from a hook in the middle of a backward (after BNP held what it reached): the backward ends
+    as without BNP, and nothing is counted."""
+    net = _net()
+    pre = BNPPreconditioner(net, statistics="batch")
+    x, y = _batch(0)
+    h = net[1](net[0](x))
+    h.register_hook(lambda grad: pre.detach())
+    F.cross_entropy(net[2](h), y).backward()
+    assert all(p.grad is not None for p in net.parameters())
+    assert all(layer.moments is None for layer in pre.layers.values())

@@ -367,6 +367,37 @@ def test_a_kind_with_several_calls_counts_every_tensor_pair_of_training_forwards
         unregister_layer_kind("Pair")
 
 
+class WholeOutputKind(PairKind):
+    """Pair's weight, with the module's whole output as the one output of its call: ``(first, second)``, whose
+    second item is ``None`` without the keyword input."""
+
+    name = "WholeOutput"
+
+    def calls(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> list[Any]:
+        return [(args[0], output)]
+
+    def moments(self, module: nn.Module, h: Tensor, output: Any) -> Moments:
+        return feature_moments(h.double() * module.input_scale)
+
+
+def test_a_call_whose_output_is_a_tuple_holding_something_else_than_tensors_is_skipped() -> None:
+    """``LayerKind.calls`` pairs an input with a tensor or a tuple of tensors (any one reached counts): a tuple that
+    holds ``None`` is no such output, and that call counts nothing (it raised reading a ``grad_fn`` of ``None``)."""
+    register_layer_kind(WholeOutputKind())
+    try:
+        pair = Pair(3, 2, input_scale=0.5).double()
+        pre = BNPPreconditioner(nn.ModuleDict({"pair": pair}), layer_types=["WholeOutput"], statistics="batch")
+        seen = spy_moments(pre)
+        a, b, c = (torch.randn(n, 3, dtype=torch.float64) for n in (4, 5, 6))
+        first, second = pair(a, other=b)  # a tuple of tensors: counted
+        assert second is not None
+        (first.sum() + second.sum() + pair(c)[0].sum()).backward()  # pair(c): (tensor, None), skipped
+        pre.step()
+        assert_moments_of_rows(seen["pair"], a * 0.5)
+    finally:
+        unregister_layer_kind("WholeOutput")
+
+
 # ----------------------------------------------------------------- LayerKind's defaults (issue 27)
 def test_the_per_class_flags_say_which_defaults_a_subclass_keeps() -> None:
     def override(method: str) -> type[LayerKind]:

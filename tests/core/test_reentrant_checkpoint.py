@@ -5,6 +5,11 @@ exact as it was. References: the rows reduced by torch directly."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +17,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_bnp import BNPPreconditioner
+from lightning_bnp.core import collection, recompute
+from lightning_bnp.core.recompute import replayed
 from tests.core.test_token_masks import Block, check_moments, padded
 from tests.helpers import spy_moments
 
@@ -159,3 +166,110 @@ def test_a_mask_and_a_pause_set_inside_the_checkpointed_function_hold_for_each_c
     with torch.no_grad():
         h = net(x) + 0.1 * net(x * 2)
         check_moments(seen["head"], (h * real).sum(1) / real.sum(1))
+
+
+def test_a_reentrant_and_a_non_reentrant_checkpoint_in_one_model_each_count_the_real_tokens() -> None:
+    """The non-reentrant checkpoint recomputes its forward during the backward too, under an autograd node that is
+    no reentrant checkpoint's (it kept no contexts), after a reentrant checkpoint ran: that recomputation counts
+    as a plain forward call (its outputs are never reached), not as a replay."""
+    first, second = _mlp(), nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    pre = BNPPreconditioner(nn.ModuleDict({"first": first, "second": second}), statistics="batch")
+    seen = spy_moments(pre)
+    x, mask = padded()
+    x.requires_grad_()
+    with pre.token_mask(mask):
+        out = checkpoint(second, checkpoint(first, x, use_reentrant=True), use_reentrant=False)
+    out.masked_fill(~mask[..., None], 0.0).sum().backward()
+    pre.step()
+    with torch.no_grad():
+        h = first(x)
+        check_moments(seen["first.0"], x.detach()[mask])
+        check_moments(seen["first.2"], torch.tanh(first[0](x))[mask])
+        check_moments(seen["second.0"], h[mask])
+        check_moments(seen["second.2"], torch.tanh(second[0](h))[mask])
+
+
+ROOT = Path(__file__).resolve().parents[2]
+FIRST_BACKWARD = """
+import torch
+from torch.utils.checkpoint import checkpoint
+from lightning_bnp import BNPPreconditioner
+from tests.core.test_reentrant_checkpoint import _mlp
+from tests.core.test_token_masks import check_moments, padded
+from tests.helpers import spy_moments
+
+net = _mlp()
+pre = BNPPreconditioner(net, statistics="batch")
+seen = spy_moments(pre)
+x, mask = padded()
+x.requires_grad_()
+with pre.token_mask(mask):
+    out = checkpoint(net, x, use_reentrant=True)
+tasks = []
+out.register_hook(lambda grad: tasks.append(torch._C._current_graph_task_id()))
+out.masked_fill(~mask[..., None], 0.0).sum().backward()
+pre.step()
+assert tasks == [0], tasks
+check_moments(seen["0"], x.detach()[mask])
+check_moments(seen["2"], torch.tanh(net[0](x.detach()))[mask].detach())
+"""
+
+
+def test_a_reentrant_recomputation_in_the_first_backward_of_a_process_counts_under_its_mask() -> None:
+    """Autograd numbers its graph tasks from 0: the first backward of a process (a fresh interpreter here) is task
+    0, a backward like any other, whose recomputation replays the forward's mask (padding rows hold a NaN)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_BACKWARD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_backward_forwards_look_for_a_replayed_context_only_once_a_reentrant_checkpoint_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Until a reentrant checkpoint's first run met a managed module, a training forward (with or without
+    gradients: a teacher pass under ``no_grad``) does not look up the autograd node it runs under."""
+    looked: list[object] = []
+
+    def counting(owner: object) -> object:
+        looked.append(owner)
+        return replayed(owner)
+
+    monkeypatch.setattr(collection, "replayed", counting)
+    net = _mlp()
+    pre = BNPPreconditioner(net, statistics="batch")
+    x, _ = padded()
+    with torch.no_grad():
+        net(x)  # a training forward without gradients, outside any checkpoint
+    net(x).sum().backward()
+    pre.step()
+    assert looked == []
+    x.requires_grad_()
+    checkpoint(net, x, use_reentrant=True).sum().backward()
+    pre.step()
+    assert len(looked) == 3  # from then on: the first run's second Linear call, the recomputation's two
+
+
+@pytest.mark.stack  # counts frames: outside `make mutate` (its trampolines are frames)
+def test_the_checkpoints_forward_is_looked_for_in_the_max_depth_frames_above_the_hooks_caller() -> None:
+    """``_outermost_checkpoint`` skips its own frame and its caller's (``remember``) and reads the next
+    ``_MAX_DEPTH`` frames: a checkpointed function that calls through k nested frames is found up to the limit,
+    and not one frame past it (the cost of the walk stays bounded)."""
+    found: list[object] = []
+
+    def remember() -> None:  # stands for recompute.remember: the caller _outermost_checkpoint skips
+        found.append(recompute._outermost_checkpoint())
+
+    def nested(levels: int, x: Tensor) -> Tensor:
+        if levels:
+            return nested(levels - 1, x)
+        remember()
+        return x * 2
+
+    # frames above _outermost_checkpoint: remember, nested × (k + 1), the lambda, CheckpointFunction.forward
+    deepest = recompute._MAX_DEPTH - 3  # CheckpointFunction.forward is then frame 2 + _MAX_DEPTH − 1, the last read
+    x = torch.ones(2, requires_grad=True)
+    for levels in (0, deepest, deepest + 1):
+        checkpoint(lambda t, k=levels: nested(k, t), x, use_reentrant=True)
+    assert [ctx is not None for ctx in found] == [True, True, False]

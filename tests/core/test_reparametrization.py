@@ -357,3 +357,26 @@ def test_manageable_keeps_the_modules_it_can_precondition_and_names_the_others()
     )
     with pytest.raises(ValueError, match=f"^{re.escape(lazy)}$"):
         BNPPreconditioner(nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2)))
+
+
+class Double(nn.Module):
+    def forward(self, t: Tensor) -> Tensor:
+        return 2 * t
+
+
+def test_a_recurrent_block_whose_own_weight_is_reparametrized_is_left_alone_and_the_other_kept() -> None:
+    """A kind says which tensors it feeds (an LSTM's ``weight_hh_l0`` for its hh block): that block is left alone
+    with the reason, the ih block of the same module stays managed (the module's ``weight``, which it has not, is
+    not what decides)."""
+    lstm = nn.LSTM(4, 3)
+    parametrize.register_parametrization(lstm, "weight_hh_l0", Double())
+    with pytest.warns(BNPWarning) as caught:
+        pre = BNPPreconditioner(nn.ModuleDict({"rnn": lstm, "head": nn.Linear(3, 2)}))
+    assert list(pre.layers) == ["rnn.ih_l0", "head"]
+    assert [str(w.message) for w in caught] == [
+        "BNP layer 'rnn.hh_l0' (ParametrizedLSTM) is left alone: its weight_hh_l0 is computed by "
+        "torch.nn.utils.parametrize (Double) from parametrizations.weight_hh_l0.original; the optimizer updates "
+        "those tensors, whose gradient is Jᵀ·∂L/∂weight_hh_l0, for which BNP's transform (eq. 15) has no exact "
+        "form. Exclude it with `exclude` to silence this warning (README 'Reparametrized layers')."
+    ]
+    pre.detach()

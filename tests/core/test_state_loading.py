@@ -4,6 +4,7 @@ statistics that an explicit float64 recursion over the ρ's really applied gives
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_bnp import BNPPreconditioner
+from lightning_bnp import BNPPreconditioner, LayerKind, register_layer_kind
+from lightning_bnp.core.kinds import unregister_layer_kind
 from lightning_bnp.core.preconditioner import BNPWarning
 
 BATCHES = [torch.randn(16, 4, generator=torch.Generator().manual_seed(i)) * (1 + i) + 0.5 * i for i in range(6)]
@@ -154,3 +156,116 @@ def test_a_state_of_the_same_layers_loads_silently() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         BNPPreconditioner(nn.Sequential(nn.Conv1d(2, 4, 3))).load_state_dict(state)
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+
+
+def test_a_state_of_other_layers_is_refused_with_every_way_out_in_the_message() -> None:
+    """The whole message: what differs, why it happens, and the three ways out (same selection, ``strict=False``
+    and what it leaves fresh, no BNP state)."""
+    state = _trained(_mlp()).state_dict()
+    target = BNPPreconditioner(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 5), nn.Linear(5, 3)))
+    message = (
+        "BNP state does not match the managed layers: missing ['3'] (managed now, not in the state), unexpected [] "
+        "(in the state, not managed now). It was saved from another model or another layer selection (`layer_types`, "
+        "`include`, `exclude`, `embeddings`): build the preconditioner with the selection it was saved with; or load "
+        "the layers both have with `load_state_dict(state, strict=False)` (the others start fresh: μ = 0, σ² = 1); "
+        "or start without the BNP state."
+    )
+    with pytest.raises(ValueError) as caught:
+        target.load_state_dict(state)
+    assert str(caught.value) == message
+    _fresh(target)
+
+
+def test_a_resume_under_other_settings_warns_naming_each_change_and_that_the_current_ones_hold() -> None:
+    state = _trained(_mlp()).state_dict()  # ρ = 0.99, ε1 = 0.01
+    target = BNPPreconditioner(_mlp(), rho=0.5, eps1=0.1)
+    with pytest.warns(BNPWarning) as caught:
+        target.load_state_dict(state)
+    assert [str(w.message) for w in caught] == [
+        "BNP statistics loaded from a state saved with other settings (eps1: saved 0.01, now 0.1, rho: saved 0.99, "
+        "now 0.5); they continue under the current settings."
+    ]
+    assert all(layer.running.steps == 2 for layer in target.layers.values())
+
+
+@pytest.mark.stack  # pins the line a warning names: outside `make mutate` (its trampolines are frames)
+def test_the_warnings_of_a_partial_load_and_of_changed_settings_point_at_the_callers_line() -> None:
+    saved = _trained(_mlp())
+    partial = BNPPreconditioner(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 5), nn.Linear(5, 3)))
+    with pytest.warns(BNPWarning, match=r"missing \['3'\] \(not in the state\)") as caught:
+        partial.load_state_dict(saved.state_dict(), strict=False)
+    assert [w.filename for w in caught] == [__file__]
+    changed = BNPPreconditioner(_mlp(), rho=0.5)
+    with pytest.warns(BNPWarning, match=r"rho: saved 0.99, now 0.5") as caught:
+        changed.load_state_dict(saved.state_dict())
+    assert [w.filename for w in caught] == [__file__]
+
+
+def test_a_layer_of_another_kind_is_refused_with_the_whole_message() -> None:
+    state = _trained(nn.Sequential(nn.Conv1d(2, 4, 3))).state_dict()
+    target = BNPPreconditioner(nn.Sequential(nn.Conv2d(2, 4, 3)))
+    message = (
+        "BNP statistics of layer '0' were saved from a Conv1d layer (weight shape (4, 2, 3)), but '0' is now a Conv2d "
+        "layer (weight shape (4, 2, 3, 3)): the state was saved from a model whose layer of that name is another kind "
+        "of layer; nothing was loaded. Load it into the same architecture, or start without the BNP state."
+    )
+    with pytest.raises(ValueError) as caught:
+        target.load_state_dict(state)
+    assert str(caught.value) == message
+    _fresh(target)
+
+
+def test_statistics_not_finite_in_every_saved_tensor_are_all_named_with_the_whole_message() -> None:
+    """μ's and σ²'s accumulators and the running ρ^t (``decay``): each one not finite would make P not finite."""
+    state = _trained(_mlp()).state_dict()
+    decay_only = copy.deepcopy(state)
+    decay_only["layers"]["2"]["decay"][0] = float("inf")
+    target = BNPPreconditioner(_mlp())
+    with pytest.raises(ValueError, match=r"layer '2' \(Linear\) in the state are not finite \(NaN or Inf in decay\)"):
+        target.load_state_dict(decay_only)
+    _fresh(target)
+    for key in ("mean_acc", "var_acc", "decay"):
+        state["layers"]["2"][key][0] = float("nan")
+    message = (
+        "BNP statistics of layer '2' (Linear) in the state are not finite (NaN or Inf in mean_acc, var_acc, decay): "
+        "the state was saved from a run whose statistics had already gone wrong; nothing was loaded. Resume from an "
+        "earlier checkpoint, or start without the BNP state."
+    )
+    with pytest.raises(ValueError) as caught:
+        target.load_state_dict(state)
+    assert str(caught.value) == message
+    _fresh(target)
+
+
+class Scaled(nn.Linear):
+    """A Linear of its own layer kind, whose statistics are named by the module (``statistics_unit``)."""
+
+
+class ScaledKind(LayerKind):
+    name = "Scaled"
+    module_type = Scaled
+
+    def statistics_unit(self, module: nn.Module) -> str:
+        return f"inputs of each of its {module.out_features} outputs"
+
+
+def test_statistics_of_another_length_are_refused_naming_the_unit_the_kind_gives_for_the_module() -> None:
+    register_layer_kind(ScaledKind())
+    try:
+        state = _trained(nn.Sequential(Scaled(3, 2)), layer_types=["Scaled"]).state_dict()
+        target = BNPPreconditioner(nn.Sequential(Scaled(4, 2)), layer_types=["Scaled"])
+        message = (
+            "BNP statistics of layer '0' have 3 entries, but the layer (Scaled) has 4 inputs of each of its 2 "
+            "outputs: the state was saved from a model whose layer has another shape. Load it into the same "
+            "architecture, or start without the BNP state."
+        )
+        with pytest.raises(ValueError) as caught:
+            target.load_state_dict(state)
+        assert str(caught.value) == message
+        _fresh(target)
+    finally:
+        unregister_layer_kind("Scaled")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch._dynamo
 import torch._dynamo.testing
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
 from lightning_bnp.core.statistics import Moments
@@ -358,3 +360,30 @@ def test_what_a_masked_forward_cannot_read_is_refused_with_the_whole_reason() ->
     )
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         linear(strided)
+
+
+class _Ops(TorchDispatchMode):
+    """The aten operators run inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_setting_a_bool_mask_runs_no_tensor_op_and_an_integer_one_is_compared_with_zero_once() -> None:
+    """The callback sets a mask for every batch: a bool mask is used as given (no copy, no kernel on its device),
+    an integer one (Hugging Face's ``attention_mask``) becomes ``mask != 0`` once."""
+    pre = BNPPreconditioner(nn.Linear(8, 4))
+    _, mask = padded()
+    with _Ops() as ran:
+        pre.set_token_mask(mask)
+    assert ran.ops == []
+    integer = mask.long()
+    with _Ops() as ran:
+        pre.set_token_mask(integer)
+    assert ran.ops == ["aten.ne"]
+    pre.set_token_mask(None)
