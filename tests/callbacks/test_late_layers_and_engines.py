@@ -5,6 +5,7 @@ refused by name in the core and in the callback; a checkpoint whose BNP state do
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar
@@ -201,7 +202,14 @@ def test_a_checkpoint_of_other_layers_says_how_to_resume_without_its_bnp_state(t
          callbacks=[BatchNormPreconditioning(verbose=False), ckpt])  # fmt: skip
     path = str(tmp_path / "ckpt" / "last.ckpt")
     bnp = BatchNormPreconditioning(verbose=False, exclude="network.2")
-    with pytest.raises(ValueError, match=r"unexpected \['network.2'\].*\['callbacks'\]\['BatchNormPreconditioning'\]"):
+    how = (
+        " Under the Trainer, the BNP state is the checkpoint's `['callbacks']['BatchNormPreconditioning']`: delete "
+        "that entry (torch.load, del, torch.save) to resume without it; the statistics then start fresh (μ = 0, "
+        "σ² = 1, step 0), with a warning."
+    )
+    with pytest.raises(
+        ValueError, match=r"unexpected \['network.2'\].*start without the BNP state\." + re.escape(how) + "$"
+    ):
         _fit(tmp_path, BoringClassifier(make_mlp()), DATA, batch_size=8, callbacks=[bnp], max_steps=4, ckpt_path=path)
     checkpoint = torch.load(path, weights_only=False)
     del checkpoint["callbacks"]["BatchNormPreconditioning"]  # what the message says: the statistics start fresh
