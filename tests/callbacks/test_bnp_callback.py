@@ -448,3 +448,36 @@ def test_the_callbacks_option_for_one_graph_per_step_builds_it_once_and_steps_th
     reference = make_mlp()
     plain_loop(reference, data, batch_size=16, steps=3)
     assert_same_parameters(model.network, reference, **EXACT)
+
+
+class LoadsBNPStateAtTrainStart(pl.Callback):
+    """Loads a BNP state into the callback after its ``on_fit_start`` (as Lightning restores the callbacks' state
+    under ``ModelParallelStrategy``) and records the first layer's running statistics right after."""
+
+    def __init__(self, bnp: BatchNormPreconditioning, state: dict[str, Any]) -> None:
+        self.bnp, self.state = bnp, state
+        self.seen: tuple[int, Tensor] | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.bnp.load_state_dict(self.state)
+        assert self.bnp.preconditioner is not None
+        running = self.bnp.preconditioner.layers["network.0"].running
+        self.seen = (running.steps, running.mu.detach().cpu().clone())
+
+
+def test_a_state_loaded_after_the_preconditioner_is_attached_is_applied_at_once(tmp_path: Path) -> None:
+    """A BNP state loaded once the callback has attached its preconditioner for the fit goes into it at once (and is
+    what the fit's steps continue from), not kept for an attach that will not come again in this fit."""
+    data = make_data()
+    first = BatchNormPreconditioning(verbose=False)
+    _fit(tmp_path, BoringClassifier(make_mlp()), data, batch_size=16, callbacks=[first], max_steps=3)
+    assert first.preconditioner is not None
+    saved = first.state_dict()
+    mu = first.preconditioner.layers["network.0"].running.mu.detach().cpu().clone()
+    bnp = BatchNormPreconditioning(verbose=False)
+    loader = LoadsBNPStateAtTrainStart(bnp, saved)
+    _fit(tmp_path, BoringClassifier(make_mlp(seed=1)), data, batch_size=16, callbacks=[bnp, loader], max_steps=2)
+    assert loader.seen is not None and loader.seen[0] == 3
+    torch.testing.assert_close(loader.seen[1], mu, rtol=0, atol=0)
+    assert bnp.preconditioner is not None and bnp.preconditioner.layers["network.0"].running.steps == 5
