@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_bnp import BatchNormPreconditioning, BNPPreconditioner
 from lightning_bnp.callbacks._strategy import check_strategy
+from lightning_bnp.core.parts import checked_params
 from lightning_bnp.core.preconditioner import BNPWarning
 from tests.helpers import EXACT, BoringClassifier, _fit, make_data, make_mlp
 
@@ -168,19 +169,50 @@ class DeepSpeedZeroOptimizer:  # what `engine.optimizer` is under ZeRO (deepspee
         self.param_groups = [{"params": params}]
 
 
+ZERO = ("DeepSpeedZeroOptimizer", "deepspeed.runtime.zero.stage_1_and_2")
+
+
 def test_the_core_refuses_an_optimizer_that_is_not_a_torch_one_naming_deepspeed() -> None:
     model = make_mlp()
     pre = BNPPreconditioner(model)
-    with pytest.raises(TypeError, match=r"DeepSpeedZeroOptimizer \(deepspeed.*DeepSpeed is not supported.*param.grad"):
-        pre.step(DeepSpeedZeroOptimizer(list(model.parameters())))  # type: ignore[arg-type]
+    deepspeed = (
+        "BNPPreconditioner.step() got a {} ({}): DeepSpeed is not supported. Its engine reduces the gradients into "
+        "buffers it owns (ZeRO stages 1-3; `param.grad` is None after `engine.backward`), so BNP would transform "
+        "nothing. Use DDP or FSDP2 (`fully_shard`) instead."
+    )
+    zero = DeepSpeedZeroOptimizer(list(model.parameters()))
+    with pytest.raises(TypeError, match="^" + re.escape(deepspeed.format(*ZERO)) + "$"):
+        pre.step(zero)  # type: ignore[arg-type]
 
-    class Foreign:
+    class Wrapped(DeepSpeedZeroOptimizer):  # a subclass of DeepSpeed's, in another package
+        pass
+
+    # DeepSpeed by the name of a class of its (upper case) in another package
+    named = type("DeepSpeedCPUAdam", (), {"__module__": "my_project.optim", "param_groups": []})
+    for optimizer, where in ((Wrapped([]), __name__), (named(), "my_project.optim")):
+        message = deepspeed.format(type(optimizer).__name__, where)
+        with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+            pre.step(optimizer)
+
+    class Foreign:  # iterable, with param groups, but not a torch.optim.Optimizer
         param_groups: ClassVar[list[Any]] = []
 
-    with pytest.raises(TypeError, match=r"got a Foreign .*is not a torch.optim.Optimizer"):
+        def __iter__(self) -> Any:
+            return iter(())
+
+    wrong = (
+        "`params` must be a torch.optim.Optimizer (or a wrapper of one: Lightning's, Fabric's, Accelerate's), an "
+        "iterable of parameters, or None; got a {}, which is not {}."
+    )
+    with pytest.raises(
+        TypeError, match="^" + re.escape(wrong.format(f"Foreign ({__name__})", "a torch.optim.Optimizer")) + "$"
+    ):
         pre.step(Foreign())  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"got a int \(builtins\), which is not iterable"):
+    with pytest.raises(TypeError, match="^" + re.escape(wrong.format("int (builtins)", "iterable")) + "$"):
         pre.precondition(3)  # type: ignore[arg-type]
+    params = list(model.parameters())  # what it takes as it is: None, a list, a tuple, any other iterable
+    for given in (None, params, tuple(params), iter(params), model.parameters()):
+        assert checked_params(given) is given
 
 
 class DeepSpeedStrategy2(SingleDeviceStrategy):  # another package's DeepSpeed strategy on a single device
