@@ -4,6 +4,7 @@ items 1 and 2): the running statistics are stored whenever the optimizer inside 
 from __future__ import annotations
 
 import gc
+import threading
 from typing import Any
 
 import pytest
@@ -121,6 +122,13 @@ def test_unwrap_optimizer_stops_at_an_object_without_a_dict_and_at_a_cycle_of_wr
     outer.__dict__["_optimizer"], inner.__dict__["_optimizer"] = inner, outer  # each wraps the other
     assert unwrap_optimizer(outer) is inner  # followed once, then the cycle ends it
     assert unwrap_optimizer(inner) is outer
+    start = _WrapsAnother(make_mlp().parameters(), lr=0.1)
+    start.__dict__["_optimizer"] = outer  # a cycle further in: it ends there too (every optimizer passed is seen)
+    found: list[Any] = []
+    looking = threading.Thread(target=lambda: found.append(unwrap_optimizer(start)), daemon=True)
+    looking.start()
+    looking.join(timeout=10)
+    assert found == [inner]
 
 
 def test_an_optimizer_never_stepped_with_bnp_has_no_pending_update() -> None:
