@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_bnp import BNPPreconditioner
 from lightning_bnp.core.pending import unwrap_optimizer
-from tests.helpers import make_data, make_mlp
+from tests.helpers import make_data, make_mlp, seeded_batch
 
 STEPS = 4
 
@@ -136,3 +136,31 @@ def test_an_optimizer_never_stepped_with_bnp_has_no_pending_update() -> None:
     opt = torch.optim.SGD(pre.layers["0"].module.parameters(), lr=0.1)
     assert pre._commits.pending(opt) is None
     assert pre._commits.pending(_lightning(opt)) is None
+
+
+def test_a_step_whose_optimizer_did_not_step_gives_way_to_the_next_backwards_step() -> None:
+    """``pre.step(opt)`` after a step whose ``opt.step()`` did not run (a ``GradScaler`` skip: its update is still
+    pending) and a new backward transforms the new gradient, of the layers ``opt`` owns only, and its update
+    replaces the pending one: the run equals a twin that never had the skipped step, and the layer ``opt`` does not
+    own keeps the plain gradient of a third copy."""
+    model, twin, plain = make_mlp(), make_mlp(), make_mlp()
+    pre, twin_pre = BNPPreconditioner(model), BNPPreconditioner(twin)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin[0].parameters(), lr=0.1)
+    (x0, y0), (x1, y1) = seeded_batch(0), seeded_batch(1)
+    nn.functional.cross_entropy(model(x0), y0).backward()
+    pre.step(opt)  # its opt.step() does not run
+    assert pre._commits.pending(opt) is not None
+    model.zero_grad()
+    for net, p, o in ((model, pre, opt), (twin, twin_pre, twin_opt)):
+        nn.functional.cross_entropy(net(x1), y1).backward()
+        p.step(o)
+        o.step()
+    nn.functional.cross_entropy(plain(x1), y1).backward()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    first, twin_first = pre.layers["0"].running, twin_pre.layers["0"].running
+    assert first.steps == twin_first.steps == 1
+    torch.testing.assert_close(first.mu, twin_first.mu, rtol=0, atol=0)
+    torch.testing.assert_close(first.var, twin_first.var, rtol=0, atol=0)
+    torch.testing.assert_close(model[2].weight.grad, plain[2].weight.grad, rtol=0, atol=0)
