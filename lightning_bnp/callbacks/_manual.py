@@ -5,8 +5,10 @@ it clips them, so clipping sees the preconditioned gradient, the one the optimiz
 the ``training_step`` clips with ``self.clip_gradients(opt, …)`` before ``opt.step()``, and ``opt.step()`` is what
 runs ``on_before_optimizer_step``: the clip would see the plain gradient. So for the length of a fit with
 ``automatic_optimization=False`` the module's ``clip_gradients`` first runs BNP's step for that optimizer, and the
-``on_before_optimizer_step`` of that ``opt.step()`` does not run it again. Clipping with ``torch.nn.utils`` directly
-is not seen: use ``self.clip_gradients``.
+``on_before_optimizer_step`` of that ``opt.step()`` does not run it again (nor does a second clipping of the same
+optimizer: BNP's step, and the regularizer's terms with it, run once per optimizer step, also when several optimizers
+are clipped before any of them steps). Clipping with ``torch.nn.utils`` directly is not seen: use
+``self.clip_gradients``.
 """
 
 from __future__ import annotations
@@ -51,12 +53,12 @@ class PreconditionBeforeClipping:
 
     def __init__(self, precondition: Callable[[pl.Trainer, pl.LightningModule, Optimizer], None]) -> None:
         self.precondition = precondition
-        self.early: weakref.ref[Optimizer] | None = None  # the optimizer whose step ran at clipping, before its step
+        self.early: list[weakref.ref[Optimizer]] = []  # the optimizers whose step ran at clipping, before their step
         self.module: pl.LightningModule | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy of the callback (pickle, deepcopy) installs nothing and remembers no optimizer of this process
-        return {**self.__dict__, "early": None, "module": None}
+        return {**self.__dict__, "early": [], "module": None}
 
     def install(self, pl_module: pl.LightningModule) -> None:
         """On a module with ``automatic_optimization=False``, for this fit (idempotent)."""
@@ -67,23 +69,26 @@ class PreconditionBeforeClipping:
 
     def remove(self) -> None:
         """Give the module Lightning's ``clip_gradients`` back (end of fit, or an exception)."""
-        module, self.module, self.early = self.module, None, None
+        module, self.module, self.early = self.module, None, []
         if module is not None and isinstance(module.__dict__.get(_ATTRIBUTE), _Clipping):
             del module.__dict__[_ATTRIBUTE]
 
     def precondition_early(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         """BNP's step for ``optimizer`` at its clipping, once before its step."""
         optimizer = unwrap_optimizer(optimizer)
-        if self.early is not None and self.early() is optimizer:
+        if any(ref() is optimizer for ref in self.early):
             return  # clipped twice before one step
         self.precondition(trainer, pl_module, optimizer)
-        self.early = weakref.ref(optimizer)
+        self.early.append(weakref.ref(optimizer))
 
     def ran_early(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer``'s step already ran at its clipping (then forgotten: the next step is a new one)."""
-        early, self.early = self.early, None
-        return early is not None and early() is unwrap_optimizer(optimizer)
+        """Whether ``optimizer``'s step already ran at its clipping (then forgotten: its next step is a new one); the
+        other optimizers clipped and not stepped yet stay remembered."""
+        optimizer = unwrap_optimizer(optimizer)
+        ran = any(ref() is optimizer for ref in self.early)
+        self.early = [ref for ref in self.early if (other := ref()) is not None and other is not optimizer]
+        return ran
 
     def new_batch(self) -> None:
         """A clip not followed by its optimizer's step does not carry over into the next batch."""
-        self.early = None
+        self.early = []

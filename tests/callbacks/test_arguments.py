@@ -91,6 +91,8 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], type[Exception], str]] = [
     (TimingMonitor, {"every_n_steps": True}, T, r"`every_n_steps` must be an integer >= 1, got True \(bool\)"),
     (TimingMonitor, {"every_n_steps": 2.5}, T, r"`every_n_steps` must be an integer >= 1, got 2.5 \(float\)"),
     (TimingMonitor, {"every_n_steps": "50"}, T, r"`every_n_steps` must be an integer >= 1, got '50' \(str\)"),
+    (BatchNormPreconditioning, {"token_mask_layers": 3}, T, r"`token_mask_layers` must be a string or a list of"),
+    (BatchNormPreconditioning, {"token_mask_layers": []}, V, r"`token_mask_layers` must be None or a non-empty list"),
 ]
 
 
@@ -104,6 +106,13 @@ def test_every_public_argument_is_type_and_range_checked(
 ) -> None:
     with pytest.raises(error, match=match):
         factory(**kwargs)
+
+
+def test_the_callbacks_flag_for_one_graph_per_step_must_be_a_bool() -> None:
+    """``compile_step`` is checked as every flag (a test of its own: mutation testing deselects the test ids that
+    say "compile", as this table's would)."""
+    with pytest.raises(TypeError, match=r"^`compile_step` must be a bool \(True or False\), got 'true'"):
+        BatchNormPreconditioning(compile_step="true")  # type: ignore[arg-type]
 
 
 def test_ints_are_accepted_where_floats_are_meant() -> None:

@@ -387,3 +387,97 @@ def test_pattern_matching_nothing_fails_at_setup(tmp_path: Path) -> None:
             callbacks=[BatchNormPreconditioning(include=["encoder.*"])],
             max_steps=1,
         )
+
+
+def test_the_callbacks_preconditioner_is_built_with_every_setting_of_the_callback(tmp_path: Path) -> None:
+    """Each of the preconditioner's settings given to the callback, each other than its default
+    (``sync_statistics`` defaults to True), reaches the preconditioner the callback builds: its values, and the
+    layers it manages (``layer_types`` keeps the Linear head out, ``exclude`` the second convolution)."""
+    settings: dict[str, Any] = dict(
+        rho=0.5, eps1=0.05, eps2=1e-3, statistics="batch", bias_correction=True, layer_types=["Conv2d"],
+        include=["network.*"], exclude=["network.2"], sync_statistics=False, conv_statistics="column", embeddings=True,
+    )  # fmt: skip
+    bnp = BatchNormPreconditioning(verbose=False, **settings)
+    _fit(tmp_path, BoringClassifier(make_cnn()), make_data(shape=(2, 6, 6)), batch_size=16, callbacks=[bnp],
+         max_steps=1)  # fmt: skip
+    pre = bnp.preconditioner
+    assert pre is not None
+    assert {key: getattr(pre, key) for key in settings} == settings
+    assert list(pre.layers) == ["network.0"]
+
+
+def test_a_callback_reused_for_another_model_preconditions_that_one_from_fresh_statistics(tmp_path: Path) -> None:
+    """A second fit of the same callback on a new model builds a preconditioner for that model: it steps as the
+    plain loop does from the start (statistics μ = 0, σ² = 1, step 0), not as the first model's preconditioner."""
+    data = make_data()
+    bnp = BatchNormPreconditioning(verbose=False)
+    first = BoringClassifier(make_mlp(seed=1))
+    _fit(tmp_path, first, data, batch_size=16, callbacks=[bnp], max_steps=3)
+    model = BoringClassifier(make_mlp())
+    _fit(tmp_path, model, data, batch_size=16, callbacks=[bnp], max_steps=4)
+    reference = make_mlp()
+    pre = plain_loop(reference, data, batch_size=16, steps=4)
+    assert_same_parameters(model.network, reference, **EXACT)
+    assert bnp.preconditioner is not None
+    for name, layer in pre.layers.items():
+        ours = bnp.preconditioner.layers[f"network.{name}"]
+        assert ours.module is model.network[int(name)] and ours.running.steps == 4
+        torch.testing.assert_close(ours.running.var.cpu(), layer.running.var)
+
+
+def test_the_callbacks_option_for_one_graph_per_step_builds_it_once_and_steps_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compile_step=True`` hands the step function to ``torch.compile`` (here a recorder that runs it as given:
+    mutation testing's selection compiles nothing) once, at the first step, with ``fullgraph=True``; every step runs
+    through what it returned, and the fit equals the plain eager loop."""
+    given: list[dict[str, Any]] = []
+    runs: list[int] = []
+
+    def recorder(fn: Any, **options: Any) -> Any:
+        given.append(options)
+        return lambda *args: (runs.append(1), fn(*args))[1]
+
+    monkeypatch.setattr(torch, "compile", recorder)
+    data = make_data()
+    bnp = BatchNormPreconditioning(verbose=False, compile_step=True)
+    model = BoringClassifier(make_mlp())
+    _fit(tmp_path, model, data, batch_size=16, callbacks=[bnp], max_steps=3)
+    assert given == [{"fullgraph": True}] and len(runs) == 3
+    assert bnp.preconditioner is not None and bnp.preconditioner.step_compiled
+    reference = make_mlp()
+    plain_loop(reference, data, batch_size=16, steps=3)
+    assert_same_parameters(model.network, reference, **EXACT)
+
+
+class LoadsBNPStateAtTrainStart(pl.Callback):
+    """Loads a BNP state into the callback after its ``on_fit_start`` (as Lightning restores the callbacks' state
+    under ``ModelParallelStrategy``) and records the first layer's running statistics right after."""
+
+    def __init__(self, bnp: BatchNormPreconditioning, state: dict[str, Any]) -> None:
+        self.bnp, self.state = bnp, state
+        self.seen: tuple[int, Tensor] | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.bnp.load_state_dict(self.state)
+        assert self.bnp.preconditioner is not None
+        running = self.bnp.preconditioner.layers["network.0"].running
+        self.seen = (running.steps, running.mu.detach().cpu().clone())
+
+
+def test_a_state_loaded_after_the_preconditioner_is_attached_is_applied_at_once(tmp_path: Path) -> None:
+    """A BNP state loaded once the callback has attached its preconditioner for the fit goes into it at once (and is
+    what the fit's steps continue from), not kept for an attach that will not come again in this fit."""
+    data = make_data()
+    first = BatchNormPreconditioning(verbose=False)
+    _fit(tmp_path, BoringClassifier(make_mlp()), data, batch_size=16, callbacks=[first], max_steps=3)
+    assert first.preconditioner is not None
+    saved = first.state_dict()
+    mu = first.preconditioner.layers["network.0"].running.mu.detach().cpu().clone()
+    bnp = BatchNormPreconditioning(verbose=False)
+    loader = LoadsBNPStateAtTrainStart(bnp, saved)
+    _fit(tmp_path, BoringClassifier(make_mlp(seed=1)), data, batch_size=16, callbacks=[bnp, loader], max_steps=2)
+    assert loader.seen is not None and loader.seen[0] == 3
+    torch.testing.assert_close(loader.seen[1], mu, rtol=0, atol=0)
+    assert bnp.preconditioner is not None and bnp.preconditioner.layers["network.0"].running.steps == 5

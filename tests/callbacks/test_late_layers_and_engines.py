@@ -5,6 +5,7 @@ refused by name in the core and in the callback; a checkpoint whose BNP state do
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar
@@ -18,6 +19,7 @@ from typing_extensions import override
 
 from lightning_bnp import BatchNormPreconditioning, BNPPreconditioner
 from lightning_bnp.callbacks._strategy import check_strategy
+from lightning_bnp.core.parts import checked_params
 from lightning_bnp.core.preconditioner import BNPWarning
 from tests.helpers import EXACT, BoringClassifier, _fit, make_data, make_mlp
 
@@ -167,19 +169,50 @@ class DeepSpeedZeroOptimizer:  # what `engine.optimizer` is under ZeRO (deepspee
         self.param_groups = [{"params": params}]
 
 
+ZERO = ("DeepSpeedZeroOptimizer", "deepspeed.runtime.zero.stage_1_and_2")
+
+
 def test_the_core_refuses_an_optimizer_that_is_not_a_torch_one_naming_deepspeed() -> None:
     model = make_mlp()
     pre = BNPPreconditioner(model)
-    with pytest.raises(TypeError, match=r"DeepSpeedZeroOptimizer \(deepspeed.*DeepSpeed is not supported.*param.grad"):
-        pre.step(DeepSpeedZeroOptimizer(list(model.parameters())))  # type: ignore[arg-type]
+    deepspeed = (
+        "BNPPreconditioner.step() got a {} ({}): DeepSpeed is not supported. Its engine reduces the gradients into "
+        "buffers it owns (ZeRO stages 1-3; `param.grad` is None after `engine.backward`), so BNP would transform "
+        "nothing. Use DDP or FSDP2 (`fully_shard`) instead."
+    )
+    zero = DeepSpeedZeroOptimizer(list(model.parameters()))
+    with pytest.raises(TypeError, match="^" + re.escape(deepspeed.format(*ZERO)) + "$"):
+        pre.step(zero)  # type: ignore[arg-type]
 
-    class Foreign:
+    class Wrapped(DeepSpeedZeroOptimizer):  # a subclass of DeepSpeed's, in another package
+        pass
+
+    # DeepSpeed by the name of a class of its (upper case) in another package
+    named = type("DeepSpeedCPUAdam", (), {"__module__": "my_project.optim", "param_groups": []})
+    for optimizer, where in ((Wrapped([]), __name__), (named(), "my_project.optim")):
+        message = deepspeed.format(type(optimizer).__name__, where)
+        with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+            pre.step(optimizer)
+
+    class Foreign:  # iterable, with param groups, but not a torch.optim.Optimizer
         param_groups: ClassVar[list[Any]] = []
 
-    with pytest.raises(TypeError, match=r"got a Foreign .*is not a torch.optim.Optimizer"):
+        def __iter__(self) -> Any:
+            return iter(())
+
+    wrong = (
+        "`params` must be a torch.optim.Optimizer (or a wrapper of one: Lightning's, Fabric's, Accelerate's), an "
+        "iterable of parameters, or None; got a {}, which is not {}."
+    )
+    with pytest.raises(
+        TypeError, match="^" + re.escape(wrong.format(f"Foreign ({__name__})", "a torch.optim.Optimizer")) + "$"
+    ):
         pre.step(Foreign())  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"got a int \(builtins\), which is not iterable"):
+    with pytest.raises(TypeError, match="^" + re.escape(wrong.format("int (builtins)", "iterable")) + "$"):
         pre.precondition(3)  # type: ignore[arg-type]
+    params = list(model.parameters())  # what it takes as it is: None, a list, a tuple, any other iterable
+    for given in (None, params, tuple(params), iter(params), model.parameters()):
+        assert checked_params(given) is given
 
 
 class DeepSpeedStrategy2(SingleDeviceStrategy):  # another package's DeepSpeed strategy on a single device
@@ -201,7 +234,14 @@ def test_a_checkpoint_of_other_layers_says_how_to_resume_without_its_bnp_state(t
          callbacks=[BatchNormPreconditioning(verbose=False), ckpt])  # fmt: skip
     path = str(tmp_path / "ckpt" / "last.ckpt")
     bnp = BatchNormPreconditioning(verbose=False, exclude="network.2")
-    with pytest.raises(ValueError, match=r"unexpected \['network.2'\].*\['callbacks'\]\['BatchNormPreconditioning'\]"):
+    how = (
+        " Under the Trainer, the BNP state is the checkpoint's `['callbacks']['BatchNormPreconditioning']`: delete "
+        "that entry (torch.load, del, torch.save) to resume without it; the statistics then start fresh (μ = 0, "
+        "σ² = 1, step 0), with a warning."
+    )
+    with pytest.raises(
+        ValueError, match=r"unexpected \['network.2'\].*start without the BNP state\." + re.escape(how) + "$"
+    ):
         _fit(tmp_path, BoringClassifier(make_mlp()), DATA, batch_size=8, callbacks=[bnp], max_steps=4, ckpt_path=path)
     checkpoint = torch.load(path, weights_only=False)
     del checkpoint["callbacks"]["BatchNormPreconditioning"]  # what the message says: the statistics start fresh
@@ -226,3 +266,98 @@ def test_the_tuner_callbacks_which_run_before_bnps_fit_start_leave_the_run_as_wi
         torch.testing.assert_close(pre.layers[name].running.var, layer.running.var, **EXACT)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, **EXACT)
+
+
+LATE = (
+    "BNP does not manage the layers {layers}: they did not exist when it was set up, and optimizer {optimizer} now "
+    "holds their parameters, so their gradients get the plain optimizer step. Build every layer before BNP is set "
+    "up (the BatchNormPreconditioning callback sets up at `on_fit_start`, after the LightningModule's `setup` and "
+    "`configure_model`; a BNPPreconditioner at its construction), or precondition them with a second "
+    "BNPPreconditioner(model, include={include}) stepped beside this one."
+)
+
+
+def test_late_layers_are_named_in_the_models_order_each_once_embeddings_too_when_managed() -> None:
+    """The warning names every late layer BNP would manage (an embedding too, with ``embeddings=True``) in the
+    model's order, with the optimizer's class and the ``include`` of the second preconditioner that would manage
+    them; a layer named once is not named again when another comes later, and parameters that are no layer's weight
+    (a bias alone, a plain parameter) name nothing."""
+    model = make_mlp()
+    pre = BNPPreconditioner(model, embeddings=True)
+    model.add_module("late_b", nn.Linear(3, 3))
+    model.add_module("late_a", nn.Embedding(4, 3))
+    model.register_parameter("scale", nn.Parameter(torch.ones(3)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x, y = DATA.tensors[0][:8], DATA.tensors[1][:8]
+    message = LATE.format(
+        layers="'late_b' (Linear), 'late_a' (Embedding)", optimizer="Adam", include="['late_b', 'late_a']"
+    )
+    nn.functional.cross_entropy(model[:3](x), y).backward()  # (the late layers are not in it)
+    with pytest.warns(BNPWarning) as caught:
+        pre.step(opt)
+    assert [str(w.message) for w in caught] == [message]
+    model.add_module("late_c", nn.Conv1d(2, 2, 1))
+    opt.add_param_group({"params": list(model.late_c.parameters())})
+    nn.functional.cross_entropy(model[:3](x), y).backward()
+    with pytest.warns(BNPWarning) as caught:
+        pre.step(opt)
+    message = LATE.format(layers="'late_c' (Conv1d)", optimizer="Adam", include="['late_c']")
+    assert [str(w.message) for w in caught] == [message]
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})  # no layer's: nothing to say
+    nn.functional.cross_entropy(model[:3](x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)
+        pre.step(opt)
+
+
+def test_late_layers_are_named_by_the_preconditioners_selection() -> None:
+    """Only the late layers that the preconditioner's own selection would manage are named: not one outside
+    ``include``, nor one inside it that ``exclude`` leaves out, nor an embedding when it has ``embeddings=False``."""
+    model = make_mlp()
+    model.add_module("keep", nn.Linear(3, 3))
+    model.add_module("drop", nn.Linear(3, 3))
+    pre = BNPPreconditioner(model, include=["0", "2", "keep*", "drop*"], exclude=["drop*"])
+    assert list(pre.layers) == ["0", "2", "keep"]
+    for name in ("keep2", "drop2", "other"):
+        model.add_module(name, nn.Linear(3, 3))
+    model.add_module("keep_embedding", nn.Embedding(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = DATA.tensors[0][:8], DATA.tensors[1][:8]
+    nn.functional.cross_entropy(model[:3](x), y).backward()
+    with pytest.warns(BNPWarning) as caught:
+        pre.step(opt)
+    message = LATE.format(layers="'keep2' (Linear)", optimizer="SGD", include="['keep2']")
+    assert [str(w.message) for w in caught] == [message]
+
+
+class CountedLookups(dict):
+    """The preconditioner's table of known parameters, counting its look-ups."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.lookups = 0
+
+    def get(self, *args: Any) -> Any:
+        self.lookups += 1
+        return super().get(*args)
+
+
+def test_late_layers_are_looked_for_only_when_an_optimizer_is_new_or_its_parameter_count_changed() -> None:
+    """The look-up of an optimizer's parameters among the model's (one per parameter) runs at its first step and
+    after its count changes; the steps between cost one ``len``."""
+    model = make_mlp()
+    pre = BNPPreconditioner(model)
+    assert pre._late is not None
+    known = pre._late.known = CountedLookups(pre._late.known)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    x, y = DATA.tensors[0][:8], DATA.tensors[1][:8]
+    seen: list[int] = []
+    for step in range(4):
+        if step == 2:
+            opt.add_param_group({"params": list(model[2].parameters())})
+        nn.functional.cross_entropy(model(x), y).backward()
+        pre.step(opt)
+        opt.step()
+        opt.zero_grad()
+        seen.append(known.lookups)
+    assert seen == [2, 2, 6, 6]

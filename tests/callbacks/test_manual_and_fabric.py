@@ -206,7 +206,7 @@ class CopiesTheCallbackAfterClipping(Manual):
 def test_a_copy_of_the_callback_during_fit_installs_nothing(tmp_path: Path) -> None:
     _fit_manual(tmp_path, CopiesTheCallbackAfterClipping(), steps=1)
     copies = CopiesTheCallbackAfterClipping.copies
-    assert copies and all(c._clipping.module is None and c._clipping.early is None for c in copies)
+    assert copies and all(c._clipping.module is None and c._clipping.early == [] for c in copies)
 
 
 # --------------------------------------- the callback's preconditioner stepped by the training_step itself
@@ -267,3 +267,97 @@ def test_a_plain_loop_may_step_one_optimizer_twice_before_its_step() -> None:
         opt.step()
     ref, ref_pre = reference()
     assert_same(network, pre, ref, ref_pre, **EXACT)
+
+
+# ------------------------------------------- two optimizers, each clipped twice, with the callback's regularizer
+class RegularizerRecorder:
+    """Stands in for the callback's regularizer (the slot ``ZSpaceRegularization`` fills at setup): records each
+    call and what it is given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def before_precondition(self, optimizer: torch.optim.Optimizer) -> None:
+        self.calls.append(("before", optimizer))
+
+    def after_precondition(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer, pre: Any
+    ) -> None:
+        self.calls.append(("after", trainer, pl_module, optimizer))
+
+
+VALUE_CLIP, NORM_CLIP = 0.02, 0.05
+
+
+class TwoOptimizers(Manual):
+    """An optimizer for the first layer and one for the last, each clipped twice (by value, then by norm given
+    positionally): both before either steps (``interleaved``), or each clipped and stepped in turn."""
+
+    def __init__(self, interleaved: bool) -> None:
+        super().__init__()
+        self.interleaved = interleaved
+
+    def _clip(self, opt: Any) -> None:
+        self.clip_gradients(opt, gradient_clip_val=VALUE_CLIP, gradient_clip_algorithm="value")
+        self.clip_gradients(opt, NORM_CLIP, "norm")
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        first, last = self.optimizers()  # type: ignore[misc]
+        x, y = batch
+        self.manual_backward(nn.functional.cross_entropy(self.network(x), y))
+        if self.interleaved:
+            self._clip(first)
+            self._clip(last)
+            first.step()
+            last.step()
+        else:
+            for opt in (first, last):
+                self._clip(opt)
+                opt.step()
+        first.zero_grad()
+        last.zero_grad()
+
+    @override
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:  # type: ignore[override]
+        return [torch.optim.SGD(self.network[i].parameters(), lr=LR) for i in (0, 2)]
+
+
+def two_optimizers_reference() -> tuple[nn.Module, BNPPreconditioner]:
+    """The plain-torch loop of :class:`TwoOptimizers`: BNP, then each layer's gradients clipped by value and by
+    norm on their own, SGD."""
+    network = make_mlp()
+    pre = BNPPreconditioner(network)
+    opt = torch.optim.SGD(network.parameters(), lr=LR)
+    for x, y in list(_loader())[:STEPS]:
+        opt.zero_grad()
+        nn.functional.cross_entropy(network(x), y).backward()
+        pre.step()
+        for i in (0, 2):
+            torch.nn.utils.clip_grad_value_(network[i].parameters(), VALUE_CLIP)
+            torch.nn.utils.clip_grad_norm_(network[i].parameters(), NORM_CLIP)
+        opt.step()
+    return network, pre
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["each in turn", "interleaved"])
+def test_manual_clipping_of_two_optimizers_runs_each_ones_step_and_regularizer_once(
+    tmp_path: Path, interleaved: bool
+) -> None:
+    """Each optimizer's BNP step runs at its first clipping, and the regularizer's terms (its ``after_precondition``,
+    given the fit's trainer and module) are added once per step of each optimizer: not again at its second clipping,
+    nor at its ``opt.step()``, also when the other optimizer was clipped in between; every clipping sees the
+    preconditioned gradient (its arguments passed on, positional ones too), as the plain loop's."""
+    model = TwoOptimizers(interleaved)
+    bnp = BatchNormPreconditioning(verbose=False)
+    recorder = RegularizerRecorder()
+    bnp.regularizer = recorder
+    x, y = make_data().tensors
+    # (Lightning counts every optimizer's step: 2 * STEPS for STEPS batches)
+    trainer = _fit(tmp_path, model, TensorDataset(x, y), batch_size=BATCH, callbacks=[bnp], max_steps=2 * STEPS)
+    first, last = trainer.optimizers
+    expected = [("before", first), ("after", trainer, model, first), ("before", last), ("after", trainer, model, last)]
+    assert recorder.calls == expected * STEPS
+    assert bnp.preconditioner is not None
+    ref, ref_pre = two_optimizers_reference()
+    assert_same(model.network, bnp.preconditioner, ref, ref_pre, "network.", rtol=1e-6, atol=1e-7)

@@ -257,3 +257,37 @@ def test_a_preconditioner_pickled_by_version_0_1_0_loads_and_steps_as_one_built_
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
     torch.testing.assert_close(pre.layers["2"].running.var_acc, ref.layers["2"].running.var_acc, rtol=0, atol=0)
+
+
+def test_a_pickle_from_before_the_parts_with_a_compiled_step_compiles_its_new_step_with_the_same_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A preconditioner pickled before it was split into parts kept ``compile_step``'s options as
+    ``_compile_options`` and no parts: its parts are built on load, and its step is compiled again with those
+    options (``torch.compile`` replaced by a recorder: mutation testing's selection compiles nothing), so that its
+    later steps run through the compiled function and transform as an eager twin's do."""
+    given: list[dict[str, Any]] = []
+    runs: list[int] = []
+
+    def recorder(fn: Any, **options: Any) -> Any:
+        given.append(options)
+        return lambda *args: (runs.append(1), fn(*args))[1]
+
+    monkeypatch.setattr(torch, "compile", recorder)
+    model = make_mlp()
+    pre = BNPPreconditioner(model)
+    train(model, pre, torch.optim.SGD(model.parameters(), lr=0.1), range(2))
+    state = pre.__getstate__()
+    for part in ("_warnings", "_masks", "_collection", "_commits", "_step", "_late"):
+        del state[part]  # what 0.1.0 had not
+    state["_compile_options"] = {"backend": "eager", "dynamic": False}
+    old_model, old_state = copy.deepcopy((model, state))  # the state's layers are those of the model copied with it
+    old = BNPPreconditioner.__new__(BNPPreconditioner)
+    old.__setstate__(old_state)
+    assert old.attached and old.step_compiled and not pre.step_compiled
+    assert given == [{"fullgraph": True, "backend": "eager", "dynamic": False}]
+    train(old_model, old, torch.optim.SGD(old_model.parameters(), lr=0.1), range(2, 4))
+    train(model, pre, torch.optim.SGD(model.parameters(), lr=0.1), range(2, 4))
+    assert len(runs) == 2
+    for p, q in zip(model.parameters(), old_model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)

@@ -194,7 +194,12 @@ def test_a_step_after_detach_says_the_preconditioner_is_detached_once_and_transf
         warnings.simplefilter("error", BNPWarning)
         pre.step()
     assert all(layer.transform is not None for layer in pre.layers.values())
-    pre.detach()
+    pre.detach()  # a new detach: its first step says so again (once per detach, not once per preconditioner)
+    model(torch.randn(5, 3)).sum().backward()
+    with pytest.warns(BNPWarning) as caught:
+        getattr(pre, method)()
+        getattr(pre, method)()
+    assert [str(w.message) for w in caught] == [DETACHED.format(method)]
 
 
 def test_a_zero_row_batch_leaves_the_zero_gradient_and_the_statistics_as_they_are_without_a_warning() -> None:

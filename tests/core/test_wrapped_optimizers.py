@@ -4,6 +4,7 @@ items 1 and 2): the running statistics are stored whenever the optimizer inside 
 from __future__ import annotations
 
 import gc
+import threading
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 
 from lightning_bnp import BNPPreconditioner
 from lightning_bnp.core.pending import unwrap_optimizer
-from tests.helpers import make_data, make_mlp
+from tests.helpers import make_data, make_mlp, seeded_batch
 
 STEPS = 4
 
@@ -121,6 +122,13 @@ def test_unwrap_optimizer_stops_at_an_object_without_a_dict_and_at_a_cycle_of_wr
     outer.__dict__["_optimizer"], inner.__dict__["_optimizer"] = inner, outer  # each wraps the other
     assert unwrap_optimizer(outer) is inner  # followed once, then the cycle ends it
     assert unwrap_optimizer(inner) is outer
+    start = _WrapsAnother(make_mlp().parameters(), lr=0.1)
+    start.__dict__["_optimizer"] = outer  # a cycle further in: it ends there too (every optimizer passed is seen)
+    found: list[Any] = []
+    looking = threading.Thread(target=lambda: found.append(unwrap_optimizer(start)), daemon=True)
+    looking.start()
+    looking.join(timeout=10)
+    assert found == [inner]
 
 
 def test_an_optimizer_never_stepped_with_bnp_has_no_pending_update() -> None:
@@ -128,3 +136,31 @@ def test_an_optimizer_never_stepped_with_bnp_has_no_pending_update() -> None:
     opt = torch.optim.SGD(pre.layers["0"].module.parameters(), lr=0.1)
     assert pre._commits.pending(opt) is None
     assert pre._commits.pending(_lightning(opt)) is None
+
+
+def test_a_step_whose_optimizer_did_not_step_gives_way_to_the_next_backwards_step() -> None:
+    """``pre.step(opt)`` after a step whose ``opt.step()`` did not run (a ``GradScaler`` skip: its update is still
+    pending) and a new backward transforms the new gradient, of the layers ``opt`` owns only, and its update
+    replaces the pending one: the run equals a twin that never had the skipped step, and the layer ``opt`` does not
+    own keeps the plain gradient of a third copy."""
+    model, twin, plain = make_mlp(), make_mlp(), make_mlp()
+    pre, twin_pre = BNPPreconditioner(model), BNPPreconditioner(twin)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin[0].parameters(), lr=0.1)
+    (x0, y0), (x1, y1) = seeded_batch(0), seeded_batch(1)
+    nn.functional.cross_entropy(model(x0), y0).backward()
+    pre.step(opt)  # its opt.step() does not run
+    assert pre._commits.pending(opt) is not None
+    model.zero_grad()
+    for net, p, o in ((model, pre, opt), (twin, twin_pre, twin_opt)):
+        nn.functional.cross_entropy(net(x1), y1).backward()
+        p.step(o)
+        o.step()
+    nn.functional.cross_entropy(plain(x1), y1).backward()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    first, twin_first = pre.layers["0"].running, twin_pre.layers["0"].running
+    assert first.steps == twin_first.steps == 1
+    torch.testing.assert_close(first.mu, twin_first.mu, rtol=0, atol=0)
+    torch.testing.assert_close(first.var, twin_first.var, rtol=0, atol=0)
+    torch.testing.assert_close(model[2].weight.grad, plain[2].weight.grad, rtol=0, atol=0)
