@@ -202,7 +202,7 @@ class StatisticsCollection:
             if not torch.is_grad_enabled():
                 self._remember()
                 return
-            replay = self._replayed()
+            replay = replayed(self) if self.recomputes else None  # (inline: it runs at every forward call)
             if replay is None:
                 if self.collecting:
                     record(module, args, kwargs, output)
@@ -233,8 +233,11 @@ class StatisticsCollection:
         if torch.compiler.is_compiling():
             layer.add_moments(moments(module, h, out) if special is None else special)
             return
-        nodes = [out.grad_fn] if isinstance(out, Tensor) else list(dict.fromkeys(o.grad_fn for o in out))
-        if any(node is not None for node in nodes):
+        if isinstance(out, Tensor):
+            nodes = () if out.grad_fn is None else (out.grad_fn,)
+        else:
+            nodes = tuple(node for node in dict.fromkeys(o.grad_fn for o in out) if node is not None)
+        if nodes:
             # the tensor this forward used as the weight (the module's attribute now: torch.func.functional_call
             # swaps in its own tensors) is not the leaf BNP manages: its gradient lands elsewhere
             leaf = self.leaves.get(layer.name)
@@ -243,8 +246,7 @@ class StatisticsCollection:
             part = moments(module, h, out) if special is None else special
             hold = self._hold_when_reached(layer, Reached(part, foreign))
             for node in nodes:  # (held once: by the first of them a backward reaches)
-                if node is not None:
-                    node.register_prehook(hold)
+                node.register_prehook(hold)
 
     def _watch(self, layer: ManagedLayer, weight: Tensor) -> None:
         """Count ``layer``'s reached forwards when a backward accumulates the gradient of ``weight`` (a trainable leaf:

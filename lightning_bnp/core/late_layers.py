@@ -21,7 +21,6 @@ from torch.optim import Optimizer
 
 from lightning_bnp.core.kinds import EMBEDDING, select_layer_kinds
 from lightning_bnp.core.model_scan import scan_model
-from lightning_bnp.core.pending import unwrap_optimizer
 from lightning_bnp.core.step_warnings import StepWarnings
 
 __all__ = ["LATE_LAYERS", "LateLayers"]
@@ -69,11 +68,11 @@ class LateLayers:
         self.__dict__.update({**state, "counts": weakref.WeakKeyDictionary()})
 
     def check(self, optimizer: Optimizer, params: list[Tensor]) -> None:
-        """Name the layers BNP would manage whose parameters ``optimizer`` (maybe wrapped) holds but the model did
-        not hold at construction; ``params``: the optimizer's parameters."""
+        """Name the layers BNP would manage whose parameters ``optimizer`` (the ``torch.optim.Optimizer`` itself:
+        :func:`~lightning_bnp.core.pending.unwrap_optimizer`) holds but the model did not hold at construction;
+        ``params``: the optimizer's parameters."""
         if self.model is None:
             return
-        optimizer = unwrap_optimizer(optimizer)
         if self.counts.get(optimizer) == len(params):
             return
         self.counts[optimizer] = len(params)

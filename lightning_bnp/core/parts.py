@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from lightning_bnp.core.collection import StatisticsCollection
 from lightning_bnp.core.late_layers import LateLayers
 from lightning_bnp.core.layers import ManagedLayer
-from lightning_bnp.core.pending import OptimizerCommits, PendingUpdate
+from lightning_bnp.core.pending import OptimizerCommits, PendingUpdate, unwrap_optimizer
 from lightning_bnp.core.step import PreconditionerStep
 from lightning_bnp.core.step_warnings import StepWarnings
 from lightning_bnp.core.token_masks import TokenMasks
@@ -133,6 +133,7 @@ def step_with_optimizer(
     :func:`~lightning_bnp.core.pending.unwrap_optimizer`): transform the gradients of the layers it owns with
     ``precondition(owned, commit=False)`` and defer the running-statistics update to its ``step()``. Asked again
     before that ``step()`` with no backward since, it does nothing."""
+    optimizer = unwrap_optimizer(optimizer)  # (once: the parts below take the optimizer itself)
     owned = [p for group in optimizer.param_groups for p in group["params"]]
     if late is not None:
         late.check(optimizer, owned)  # layers made after set-up whose parameters it holds are named

@@ -87,17 +87,17 @@ class OptimizerCommits:
         self.__init__()  # type: ignore[misc]
 
     def defer(self, optimizer: Optimizer, update: PendingUpdate) -> None:
-        """Store ``update`` when ``optimizer.step()`` next runs (replacing one not stored yet); ``optimizer`` may be
-        a wrapper (:func:`unwrap_optimizer`)."""
-        optimizer = unwrap_optimizer(optimizer)
+        """Store ``update`` when ``optimizer.step()`` next runs (replacing one not stored yet); ``optimizer``: the
+        ``torch.optim.Optimizer`` itself, not a wrapper (:func:`unwrap_optimizer`)."""
         entry = self.entries.get(optimizer)
         if entry is None:
             entry = self.entries[optimizer] = _Entry(optimizer.register_step_post_hook(self._commit))
         entry.pending = update
 
     def pending(self, optimizer: Optimizer) -> PendingUpdate | None:
-        """The update ``optimizer``'s next ``step()`` stores (``None``: none)."""
-        entry = self.entries.get(unwrap_optimizer(optimizer))
+        """The update ``optimizer``'s next ``step()`` stores (``None``: none); ``optimizer`` unwrapped as for
+        :meth:`defer`."""
+        entry = self.entries.get(optimizer)
         return None if entry is None else entry.pending
 
     def _commit(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
