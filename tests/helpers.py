@@ -159,3 +159,17 @@ class Affine(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x @ self.matrix
+
+
+def record_compiles(monkeypatch: Any) -> tuple[list[dict[str, Any]], list[int]]:
+    """Replace ``torch.compile`` with a recorder that returns the function as given (mutation testing's selection
+    compiles nothing): the options of each call, and one entry per run of a returned function."""
+    given: list[dict[str, Any]] = []
+    runs: list[int] = []
+
+    def recorder(fn: Any, **options: Any) -> Any:
+        given.append(options)
+        return lambda *args: (runs.append(1), fn(*args))[1]
+
+    monkeypatch.setattr(torch, "compile", recorder)
+    return given, runs

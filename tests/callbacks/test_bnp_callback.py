@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_bnp import BatchNormPreconditioning, BNPPreconditioner
-from tests.helpers import ACCELERATOR, EXACT, BoringClassifier, _fit, make_cnn, make_data, make_mlp
+from tests.helpers import ACCELERATOR, EXACT, BoringClassifier, _fit, make_cnn, make_data, make_mlp, record_compiles
 
 
 def plain_loop(
@@ -431,14 +431,7 @@ def test_the_callbacks_option_for_one_graph_per_step_builds_it_once_and_steps_th
     """``compile_step=True`` hands the step function to ``torch.compile`` (here a recorder that runs it as given:
     mutation testing's selection compiles nothing) once, at the first step, with ``fullgraph=True``; every step runs
     through what it returned, and the fit equals the plain eager loop."""
-    given: list[dict[str, Any]] = []
-    runs: list[int] = []
-
-    def recorder(fn: Any, **options: Any) -> Any:
-        given.append(options)
-        return lambda *args: (runs.append(1), fn(*args))[1]
-
-    monkeypatch.setattr(torch, "compile", recorder)
+    given, runs = record_compiles(monkeypatch)
     data = make_data()
     bnp = BatchNormPreconditioning(verbose=False, compile_step=True)
     model = BoringClassifier(make_mlp())

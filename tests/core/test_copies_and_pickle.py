@@ -23,7 +23,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from lightning_bnp.core import BNPPreconditioner, BNPWarning
 from tests.helpers import bnp_train as train
-from tests.helpers import make_cnn, make_mlp
+from tests.helpers import make_cnn, make_mlp, record_compiles
 from tests.helpers import seeded_batch as batch
 
 
@@ -266,14 +266,7 @@ def test_a_pickle_from_before_the_parts_with_a_compiled_step_compiles_its_new_st
     ``_compile_options`` and no parts: its parts are built on load, and its step is compiled again with those
     options (``torch.compile`` replaced by a recorder: mutation testing's selection compiles nothing), so that its
     later steps run through the compiled function and transform as an eager twin's do."""
-    given: list[dict[str, Any]] = []
-    runs: list[int] = []
-
-    def recorder(fn: Any, **options: Any) -> Any:
-        given.append(options)
-        return lambda *args: (runs.append(1), fn(*args))[1]
-
-    monkeypatch.setattr(torch, "compile", recorder)
+    given, runs = record_compiles(monkeypatch)
     model = make_mlp()
     pre = BNPPreconditioner(model)
     train(model, pre, torch.optim.SGD(model.parameters(), lr=0.1), range(2))
