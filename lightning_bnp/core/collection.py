@@ -233,6 +233,7 @@ class StatisticsCollection:
         if torch.compiler.is_compiling():
             layer.add_moments(moments(module, h, out) if special is None else special)
             return
+        nodes: tuple[Any, ...]  # the autograd nodes of the output(s)
         if isinstance(out, Tensor):
             nodes = () if out.grad_fn is None else (out.grad_fn,)
         else:
