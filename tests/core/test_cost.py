@@ -247,3 +247,18 @@ def test_at_most_sixteen_layouts_are_kept_the_oldest_dropped_first() -> None:
     assert len(pre._step.plans) == 16
     assert [list(key[0]) for key in pre._step.plans] == sets[1:]
     assert all(kept is made for kept, made in zip(pre._step.plans.values(), built[1:], strict=True))
+
+
+@pytest.mark.parametrize("shape", [(60, 16), (4, 5, 16)])
+def test_a_linear_layers_statistics_on_the_cpu_are_the_fused_kernel_not_var_mean(shape: tuple[int, ...]) -> None:
+    """On the CPU a Linear layer's (rows, features) input is reduced by ATen's fused ``batch_norm_update_stats``
+    (plus the exact ``mean(0)``), not by ``var_mean``, whose Welford kernel is 15–30× slower there for such an input;
+    the statistics are those of the input all the same (biased variance)."""
+    layer, h = nn.Linear(16, 3).double(), torch.randn(*shape, dtype=torch.float64) * 3 + 1
+    cost = profile_cost(lambda: moments_of_input(layer, h, layer(h)))
+    assert "aten::batch_norm_update_stats" in cost.by_name and "aten::var_mean" not in cost.by_name, cost.by_name
+    rows = h.reshape(-1, 16)
+    m = moments_of_input(layer, h, layer(h))
+    assert m.rows == rows.shape[0]
+    torch.testing.assert_close(m.mean, rows.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.var, rows.var(0, correction=0), rtol=1e-10, atol=1e-12)
