@@ -76,7 +76,7 @@ class PreconditionBeforeClipping:
     def precondition_early(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         """BNP's step for ``optimizer`` at its clipping, once before its step."""
         optimizer = unwrap_optimizer(optimizer)
-        if any(ref() is optimizer for ref in self.early):
+        if self._clipped(optimizer):
             return  # clipped twice before one step
         self.precondition(trainer, pl_module, optimizer)
         self.early.append(weakref.ref(optimizer))
@@ -85,9 +85,13 @@ class PreconditionBeforeClipping:
         """Whether ``optimizer``'s step already ran at its clipping (then forgotten: its next step is a new one); the
         other optimizers clipped and not stepped yet stay remembered."""
         optimizer = unwrap_optimizer(optimizer)
-        ran = any(ref() is optimizer for ref in self.early)
+        ran = self._clipped(optimizer)
         self.early = [ref for ref in self.early if (other := ref()) is not None and other is not optimizer]
         return ran
+
+    def _clipped(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` (unwrapped) had its step run at a clipping since its last step."""
+        return any(ref() is optimizer for ref in self.early)
 
     def new_batch(self) -> None:
         """A clip not followed by its optimizer's step does not carry over into the next batch."""

@@ -202,7 +202,7 @@ class StatisticsCollection:
             if not torch.is_grad_enabled():
                 self._remember()
                 return
-            replay = replayed(self) if self.recomputes else None  # (inline: it runs at every forward call)
+            replay = self._replayed()
             if replay is None:
                 if self.collecting:
                     record(module, args, kwargs, output)
