@@ -438,7 +438,8 @@ class ModelScan:
         model: the model scanned.
         layer_types: the validated ``layer_types`` (every name a registered kind).
         selected_kinds: the kinds ``layer_types`` selects (:func:`~lightning_bnp.core.model_scan.kinds_for`).
-        known: every registered kind.
+        known: every registered kind, the selected ones first (they win a tie in :func:`~lightning_bnp.core.model_scan.
+            kinds_of`).
         modules: ``named_modules()`` of the model.
         applicable: per module name, the registered kinds that apply to it
             (:func:`~lightning_bnp.core.model_scan.kinds_of`).

@@ -23,7 +23,10 @@ def scan_model(model: nn.Module, layer_types: Sequence[str]) -> ModelScan:
     """What ``model`` holds for BNP under ``layer_types`` (validated: every name a registered kind, e.g. by
     :func:`~lightning_bnp.core.preconditioner.validate_bnp_arguments`); see :class:`~lightning_bnp.core.kinds.
     ModelScan`. A module claimed by a registered kind is not claimed again by a kind read from a source."""
-    selected, known = kinds_for(layer_types), list(layer_kinds().values())
+    selected = kinds_for(layer_types)
+    # the selected kinds first: of two kinds for one class and suffix, the selected one applies (a user's kind for
+    # nn.Linear selected alone is not shadowed by the built-in one); of two selected, the one registered first
+    known = selected + [kind for kind in layer_kinds().values() if kind not in selected]
     modules = dict(model.named_modules())
     applicable = {name: kinds_of(m, known) for name, m in modules.items()}
     kinds = {name: [k for k in found if k in selected] for name, found in applicable.items()}
@@ -62,7 +65,8 @@ def kinds_for(layer_types: Sequence[str]) -> list[LayerKind]:
 
 def kinds_of(module: nn.Module, kinds: Sequence[LayerKind]) -> list[LayerKind]:
     """The kinds among ``kinds`` that apply to ``module``: per :attr:`~LayerKind.suffix`, the one whose class is
-    the most specific (first in the module's MRO), e.g. a user's kind for a subclass of ``nn.Linear``; of those,
+    the most specific (first in the module's MRO), e.g. a user's kind for a subclass of ``nn.Linear``, and of equally
+    specific ones the first in ``kinds``; of those,
     the ones whose rows the module holds in its form (:meth:`~LayerKind.present`: a bidirectional layer's reverse)."""
     mro = type(module).__mro__
     best: dict[str, tuple[int, LayerKind]] = {}

@@ -127,6 +127,27 @@ def test_a_kind_registered_later_is_accepted_in_layer_types_and_unknown_names_ar
         unregister_layer_kind("Scaled")
 
 
+def test_a_users_kind_for_the_same_class_as_a_built_in_one_applies_when_it_alone_is_selected() -> None:
+    """Two kinds for ``nn.Linear``'s ``weight``: the one ``layer_types`` selects applies (before, the built-in one,
+    registered first, shadowed the user's: "no LinearTwin layer is left ... candidates are []"); both selected: the
+    built-in one, registered first."""
+    twin = register_layer_kind(type("LinearTwinKind", (LayerKind,), {"name": "LinearTwin", "module_type": nn.Linear})())
+    try:
+        model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+        for layer_types, name in (
+            (["LinearTwin"], "LinearTwin"),
+            (["Linear"], "Linear"),
+            (["Linear", "LinearTwin"], "Linear"),
+        ):
+            pre = BNPPreconditioner(model, layer_types=layer_types)
+            assert [layer.kind.name for layer in pre.layers.values()] == [name, name], layer_types
+            assert pre.skipped == {}
+            assert "2 of the model's 2 trainable weight matrices" in pre.report()
+            pre.detach()
+    finally:
+        unregister_layer_kind("LinearTwin")
+
+
 # ----------------------------------------------------------------- what BNP leaves alone
 
 
