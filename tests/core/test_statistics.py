@@ -287,6 +287,19 @@ def test_decay_offset_is_carried_by_the_state_and_converted_when_the_settings_di
     torch.testing.assert_close(same.decay, torch.tensor([rho**3 + 0.2]))
 
 
+
+def test_a_float64_layers_decay_starts_at_one_plus_kappa_in_float64() -> None:
+    """A float64 model's ``decay`` = ρ^t + κ is float64 from the start: κ = ε2/(1 + ε1) = 0.2 is not a float32
+    number, and ρ^t + κ made in float32 (1.2000000477) would carry its round-off into every later step's view."""
+    rho, kappa = 0.9, 0.3 / 1.5
+    pre = BNPPreconditioner(nn.Linear(3, 2).double(), rho=rho, eps1=0.5, eps2=0.3)
+    running = pre.layers[""].running
+    assert running.decay.dtype == torch.float64 and running.decay.item() == 1.0 + kappa
+    pre.layers[""].module(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+    pre.step()
+    assert abs(running.decay.item() - (rho * (1.0 + kappa) + (1.0 - rho) * kappa)) < 1e-15
+    pre.detach()
+
 def test_a_host_part_merges_with_a_pooled_part_in_float64_counts_either_way() -> None:
     """A part with host counts (this rank's ``moments_of_input``) merged with one whose counts are device tensors
     (unpacked after a collective, or a token mask's count) gives the pooled moments with float64 counts, in
