@@ -19,6 +19,9 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from lightning_bnp.core import BNPPreconditioner
+from lightning_bnp.core.kinds import register_layer_kind, unregister_layer_kind
+from lightning_bnp.core.recurrent import RecurrentKind
+from lightning_bnp.core.step_plan import column_block_runs
 from tests.core.test_pooling import TwoRanks, ranks  # noqa: F401  (the fixture)
 
 EPS1, EPS2, RHO = 1e-2, 1e-4, 0.99
@@ -594,3 +597,26 @@ def test_a_cell_whose_two_outputs_reach_the_loss_counts_its_call_once() -> None:
         "ih": (5, 5),
         "hh": (5, 5),
     }
+
+
+def test_each_layers_own_module_says_whether_its_blocks_are_column_blocks_of_one_layer() -> None:
+    """:meth:`LayerKind.column_block` is asked of each layer's module: a user's kind that joins the two blocks of
+    some cells only (here the ones flagged ``joined``) gets one run for those and layers on their own for the rest."""
+    class FlaggedCell(nn.RNNCell):
+        joined = True
+
+    class FlaggedCellKind(RecurrentKind):
+        def column_block(self, module: nn.Module) -> tuple[int, int] | None:
+            return super().column_block(module) if module.joined else None
+
+    kinds = [register_layer_kind(FlaggedCellKind(FlaggedCell, block)) for block in ("ih", "hh")]
+    try:
+        model = nn.ModuleList([FlaggedCell(2, 3), FlaggedCell(2, 3), FlaggedCell(2, 3)])
+        model[1].joined = False
+        pre = BNPPreconditioner(model)
+        assert list(pre.layers) == ["0.ih", "0.hh", "1.ih", "1.hh", "2.ih", "2.hh"]
+        assert column_block_runs(list(pre.layers.values())) == ((0, 2), (4, 2))
+        pre.detach()
+    finally:
+        for kind in kinds:
+            unregister_layer_kind(kind.name)
