@@ -131,7 +131,7 @@ def test_a_users_kind_for_the_same_class_as_a_built_in_one_applies_when_it_alone
     """Two kinds for ``nn.Linear``'s ``weight``: the one ``layer_types`` selects applies (before, the built-in one,
     registered first, shadowed the user's: "no LinearTwin layer is left ... candidates are []"); both selected: the
     built-in one, registered first."""
-    twin = register_layer_kind(type("LinearTwinKind", (LayerKind,), {"name": "LinearTwin", "module_type": nn.Linear})())
+    register_layer_kind(type("LinearTwinKind", (LayerKind,), {"name": "LinearTwin", "module_type": nn.Linear})())
     try:
         model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
         for layer_types, name in (
