@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import pickle
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -108,3 +109,34 @@ def test_each_set_of_layers_stepped_apart_keeps_its_own_captured_vector(monkeypa
     assert len(pre._step.plans) == 2 and len(pre._warnings.captured) == 2
     names = [m.split(":")[0] for m in _messages(pre)]
     assert sorted(names) == ["BNP layer '0' (Linear)", "BNP layer '1' (Linear)"]
+
+
+def _layer(name: str) -> SimpleNamespace:
+    return SimpleNamespace(name=name, module=nn.Linear(1, 1))
+
+
+def _warned_about(warner: StepWarnings, layers: list[SimpleNamespace | None], peaks: list[float]) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", BNPWarning)
+        warner._warn_about(layers, torch.tensor(peaks))  # type: ignore[arg-type]
+    return [str(w.message) for w in caught]
+
+
+def test_a_layer_not_to_be_named_does_not_hide_the_ones_after_it() -> None:
+    """A step's maxima name each layer but the ``None`` ones (not to be named); a ``None`` first does not end the
+    reading."""
+    messages = _warned_about(StepWarnings(running=True), [None, _layer("b"), _layer("c")], [float("nan")] * 2 + [0.0])
+    assert [m.split(" (")[0] for m in messages] == ["BNP layer 'b'"]
+
+
+def test_the_causes_a_pickle_holds_still_count_as_warned_after_loading() -> None:
+    """The (layer, cause) pairs already warned about travel in a pickled preconditioner (``warned``): one pickled
+    after a non-finite and an overflowing step does not warn about the same layers again; other layers, and the
+    same layers for the other cause, are warned about."""
+    older = StepWarnings.__new__(StepWarnings)
+    older.__setstate__({"running": True, "warned": {("a", "non-finite"), ("b", "overflow")}, "owed": []})
+    nan, inf = float("nan"), float("inf")
+    assert _warned_about(older, [_layer("a"), _layer("b")], [nan, inf]) == []
+    messages = _warned_about(older, [_layer("a"), _layer("b"), _layer("c")], [inf, nan, nan])
+    assert [m.split(" (")[0] for m in messages] == ["BNP layer 'a'", "BNP layer 'b'", "BNP layer 'c'"]
+    assert "overflows float32" in messages[0] and "not finite" in messages[1]
