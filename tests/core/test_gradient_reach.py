@@ -6,6 +6,11 @@ that are behind the gradient), exactly."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +22,7 @@ from tests.core.test_token_masks import check_moments
 from tests.helpers import spy_moments
 
 STEPS, BATCH = 3, 5
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _net() -> nn.Sequential:
@@ -73,6 +79,31 @@ def test_fgsm_adversarial_training_counts_only_the_training_forward() -> None:
     """The attack's ``autograd.grad(loss, x)`` reaches every layer's output but accumulates no weight's gradient:
     the run equals one whose attack BNP never saw (before the fix the attack's rows doubled N)."""
     _assert_same(_adversarial(hidden_from_bnp=False), _adversarial(hidden_from_bnp=True))
+
+
+FIRST_BACKWARD = """
+import torch
+from tests.core.test_gradient_reach import _adversarial, _assert_same
+
+tasks = []
+hook = torch.nn.modules.module.register_module_full_backward_hook(
+    lambda module, grad_in, grad_out: tasks.append(torch._C._current_graph_task_id())
+)
+seen = _adversarial(hidden_from_bnp=False)
+hook.remove()
+assert tasks and tasks[0] == 0, tasks
+_assert_same(seen, _adversarial(hidden_from_bnp=True))
+"""
+
+
+def test_an_attack_that_is_the_first_backward_of_a_process_counts_nothing() -> None:
+    """Autograd numbers its graph tasks from 0: FGSM's first ``autograd.grad(loss, x)`` in a fresh interpreter is
+    task 0, a backward like any other, whose forward waits for a weight's gradient (and so counts nothing)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_BACKWARD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def _layer_moments(net: nn.Sequential, seen: dict, x: Tensor) -> None:  # type: ignore[type-arg]
