@@ -19,8 +19,10 @@ from typing_extensions import override
 
 from lightning_bnp import BatchNormPreconditioning, BNPPreconditioner
 from lightning_bnp.callbacks._strategy import check_strategy
+from lightning_bnp.core.late_layers import LateLayers
 from lightning_bnp.core.parts import checked_params
 from lightning_bnp.core.preconditioner import BNPWarning
+from lightning_bnp.core.step_warnings import StepWarnings
 from tests.helpers import EXACT, BoringClassifier, _fit, make_data, make_mlp
 
 DATA = make_data(32)
@@ -328,6 +330,21 @@ def test_late_layers_are_named_by_the_preconditioners_selection() -> None:
         pre.step(opt)
     message = LATE.format(layers="'keep2' (Linear)", optimizer="SGD", include="['keep2']")
     assert [str(w.message) for w in caught] == [message]
+
+
+def test_late_layers_leave_embeddings_out_unless_told() -> None:
+    """``LateLayers`` on its own (the selection of a preconditioner built without ``embeddings=True``): a late
+    ``nn.Embedding`` is not named; a late Linear is."""
+    model = make_mlp()
+    late = LateLayers(model, ["Linear", "Conv2d"], None, None, StepWarnings(running=True))
+    model.add_module("table", nn.Embedding(4, 3))
+    model.add_module("head", nn.Linear(3, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(BNPWarning) as caught:
+        late.check(opt, [p for group in opt.param_groups for p in group["params"]])
+    assert [str(w.message) for w in caught] == [
+        LATE.format(layers="'head' (Linear)", optimizer="SGD", include="['head']")
+    ]
 
 
 class CountedLookups(dict):
