@@ -335,13 +335,18 @@ def test_feature_moments_pass_the_mean_dominated_check_of_the_torch_statistics(i
 def test_a_grouped_step_is_the_pure_torch_step(interpreted: dict[str, Any], index: int) -> None:
     """BNPPreconditioner steps with the grouped kernels against the default pure-torch step, from
     one seed: every transformed gradient, running state (m, v, ρ^t + κ, t) and (μ, σ̃²) to float32 round-off (the
-    gradient's for half models), the same warnings; the grouped kernels ran (the state kernel's and the transform's,
-    or the torch state ops where the counts are on the device: a token mask)."""
+    gradient's for half models), the same warnings; each step launched the state kernel and the transform kernel
+    once per plan (the torch state ops where the counts are on the device: a token mask), the reference neither."""
     (_, _, options, _), result = interpreted[f"steps {index}"]
     grouped, ref = result["grouped"], result["reference"]
     assert all(grouped[-1]["grouped plans"]) and grouped[-1]["transform kernels"]
     assert all(grouped[-1]["transform kernels"]) and not any(ref[-1]["grouped plans"])
     assert grouped[-1]["warnings"] == ref[-1]["warnings"]
+    plans = len(grouped[-1]["grouped plans"])
+    state = 0 if "mask" in options else plans  # a token mask's counts are on the device: the torch state ops
+    for step in grouped[:-1]:
+        assert step["launches"] == {"state": state, "transform": plans}, "one launch of each kernel per plan"
+    assert all(step["launches"] == {"state": 0, "transform": 0} for step in ref[:-1])
     if "poison" in options:
         assert grouped[-1]["warnings"], "a non-finite or overflowing step is named"
     for step, (got, want) in enumerate(zip(grouped[:-1], ref[:-1])):

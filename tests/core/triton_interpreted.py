@@ -9,8 +9,8 @@ result per case. A case is
 - ``("moments", x, channel_dim)``: :func:`triton_statistics.feature_moments`; the result is (mean, var);
 - ``("steps", name, options, steps)``: the model ``name`` of :data:`MODELS` trained for ``steps`` steps twice from
   one seed, with the grouped kernels (``grouped_kernels=True``) and with the default pure-torch step; the result is,
-  per path and step, the gradients before and after the step, the running state and the per-layer (μ, σ̃², q²) of
-  the step, and the warnings raised;
+  per path and step, the gradients before and after the step, the running state, the per-layer (μ, σ̃², q²) of
+  the step and how many times the step launched each grouped kernel, and the warnings raised;
 - ``("compiled transform", arguments)``: the transform inside ``torch.compile(fullgraph=True, backend="aot_eager")``.
 """
 
@@ -33,8 +33,12 @@ from lightning_bnp.core import step_path
 step_path.KERNEL_DEVICES.add("cpu")  # the grouped path for CPU tensors, in this process only
 
 from lightning_bnp.core import BNPPreconditioner  # noqa: E402
-from lightning_bnp.core.triton_statistics import feature_moments  # noqa: E402
-from lightning_bnp.core.triton_transform import GroupedTransform  # noqa: E402
+from lightning_bnp.core.triton_statistics import _state_kernel, feature_moments  # noqa: E402
+from lightning_bnp.core.triton_transform import GroupedTransform, _transform_kernel  # noqa: E402
+
+LAUNCHES: list[str] = []  # the grouped kernels launched since it was cleared, by name
+_state_kernel.add_pre_run_hook(lambda *args, **kwargs: LAUNCHES.append("state"))
+_transform_kernel.add_pre_run_hook(lambda *args, **kwargs: LAUNCHES.append("transform"))
 
 
 class ConvAttention(nn.Module):
@@ -117,11 +121,13 @@ def _steps(name: str, options: dict[str, Any], steps: int) -> dict[str, Any]:
                     out = net(x)
                 out.float().sin().sum().backward()
                 raw = {n: p.grad.clone() for n, p in net.named_parameters()}
+                LAUNCHES.clear()
                 pre.step()
                 record.append(
                     {
                         "raw": raw,
                         "grads": {n: p.grad.clone() for n, p in net.named_parameters()},
+                        "launches": {kernel: LAUNCHES.count(kernel) for kernel in ("state", "transform")},
                         "state": {
                             n: (
                                 layer.running.mean_acc.clone(), layer.running.var_acc.clone(),
