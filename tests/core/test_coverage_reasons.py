@@ -303,6 +303,23 @@ class Adapted(nn.Linear):
         self.adapter = nn.Linear(4, 4)
 
 
+
+def test_a_parametrized_root_module_is_named_for_its_parametrization() -> None:
+    """The model itself parametrized (its parameter ``parametrizations.weight.original``, the marker at the start of
+    the name): named for its parametrization, as one further down is."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BNPWarning)  # the reparametrized layer is also named in a warning
+        model = parametrizations.orthogonal(Adapted())
+        pre = BNPPreconditioner(model)
+    assert list(pre.layers) == ["adapter"]
+    assert pre.skipped == {
+        "parametrizations.weight.original": (
+            "left alone: its weight is computed by torch.nn.utils.parametrize (_Orthogonal) from "
+            f"parametrizations.weight.original{FOLLOWS_NOT}"
+        )
+    }
+    pre.detach()
+
 def test_a_linear_inside_an_included_linear_is_named_for_the_include_it_does_not_match() -> None:
     """``include`` matches a layer by its own name (``a``), not its parent's: ``a.adapter`` is left out by the
     pattern, which the reason names (it said "reparametrized … in a form BNP does not follow": the parent's name
@@ -372,6 +389,17 @@ def test_row_blocks_of_a_packed_weight_left_out_of_layer_types_are_named_for_tha
     )
     pre.detach()
 
+
+
+def test_row_blocks_only_left_out_of_layer_types_are_not_said_dropped_by_a_pattern() -> None:
+    """Without ``include``/``exclude``, the reason names ``layer_types`` alone (and row blocks dropped by patterns
+    only, the patterns alone: ``test_frozen_weights_left_alone_are_named_frozen_after_the_trainable_ones_…``)."""
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(4, 2), "b": nn.Linear(4, 4)})
+    pre = BNPPreconditioner(model, layer_types=["MultiheadAttention.q", "MultiheadAttention.out_proj"])
+    assert pre.skipped["attn.in_proj_weight"] == (
+        "row blocks ['attn.k', 'attn.v'] of it not in `layer_types`; the others are transformed"
+    )
+    pre.detach()
 
 def test_an_attention_whose_q_k_and_v_are_all_excluded_names_the_first_pattern() -> None:
     """``exclude`` matches ``attn.q``, the layer's name (module name plus the kind's suffix)."""
