@@ -215,7 +215,9 @@ class BNPPreconditioner(ArgumentsRepr):
         )  # fmt: skip
         self._layer_list = list(self.layers.values())
         self._warnings, self._masks, self._collection, self._commits, self._step = build_parts(self._layer_list, self)
-        self._late: LateLayers | None = LateLayers(model, *checked, self._warnings, embeddings=embeddings)
+        self._late: LateLayers | None = LateLayers(
+            model, *checked, self._warnings, embeddings=embeddings, layers=self._layer_list
+        )
         self.attach()
 
     _repr_skip = ("model",)

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_bnp import BatchNormPreconditioning, BNPPreconditioner
 from lightning_bnp.callbacks._strategy import check_strategy
-from lightning_bnp.core.late_layers import LateLayers
+from lightning_bnp.core.late_layers import LATE_BIASES, LateLayers
 from lightning_bnp.core.parts import checked_params
 from lightning_bnp.core.preconditioner import BNPWarning
 from lightning_bnp.core.step_warnings import StepWarnings
@@ -130,6 +130,29 @@ def test_the_core_names_a_layer_added_after_it_and_the_second_preconditioner_it_
     g_w = model.head2.weight.grad.double()  # type: ignore[union-attr]
     raw_b = (g_b + g_w @ mu) * q2
     torch.testing.assert_close(g_w, (raw.double() - raw_b[:, None] * mu) / (q2 * var_t), rtol=1e-5, atol=1e-7)
+
+
+def test_a_bias_registered_on_a_managed_layer_after_set_up_is_named_once() -> None:
+    """A Linear set up without a bias keeps the bias-free transform (``test_robustness.py::
+    test_a_bias_registered_after_set_up_is_left_as_autograd_gave_it``); once an optimizer BNP steps holds a bias
+    registered on it since, that is said, once, naming the layer; a bias that was there at set-up is not named."""
+    model = nn.Sequential(nn.Linear(4, 3, bias=False), nn.Tanh(), nn.Linear(3, 2))
+    pre = BNPPreconditioner(model)
+    model[0].bias = nn.Parameter(torch.zeros(3))
+    model[2].bias = nn.Parameter(torch.zeros(2))  # replaced: the layer had one at set-up, and the step reads it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    model(x).square().sum().backward()
+    with pytest.warns(BNPWarning) as caught:
+        pre.step(opt)
+    assert [str(w.message) for w in caught] == [LATE_BIASES.format(layers=["0"], optimizer="SGD")]
+    assert "BNP layers ['0'] were set up without a bias" in str(caught[0].message)
+    opt.step()
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})  # the count changed: looked at again
+    model(x).square().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BNPWarning)  # said once
+        pre.step(opt)
 
 
 def test_param_groups_of_known_layers_added_later_are_not_named() -> None:
