@@ -287,7 +287,6 @@ def test_decay_offset_is_carried_by_the_state_and_converted_when_the_settings_di
     torch.testing.assert_close(same.decay, torch.tensor([rho**3 + 0.2]))
 
 
-
 def test_a_float64_layers_decay_starts_at_one_plus_kappa_in_float64() -> None:
     """A float64 model's ``decay`` = ρ^t + κ is float64 from the start: κ = ε2/(1 + ε1) = 0.2 is not a float32
     number, and ρ^t + κ made in float32 (1.2000000477) would carry its round-off into every later step's view."""
@@ -299,6 +298,7 @@ def test_a_float64_layers_decay_starts_at_one_plus_kappa_in_float64() -> None:
     pre.step()
     assert abs(running.decay.item() - (rho * (1.0 + kappa) + (1.0 - rho) * kappa)) < 1e-15
     pre.detach()
+
 
 def test_a_host_part_merges_with_a_pooled_part_in_float64_counts_either_way() -> None:
     """A part with host counts (this rank's ``moments_of_input``) merged with one whose counts are device tensors
@@ -480,3 +480,42 @@ def test_counts_on_the_device_are_named_for_pooled_and_masked_parts_and_never_em
     assert [m.is_empty() for m in (host, pooled, masked, Moments.empty(2, torch.device("cpu")))] == [
         False, False, False, True,
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("attribute", ["mean_acc", "var_acc", "decay", "_steps"])
+def test_one_running_buffer_assigned_by_hand_between_steps_is_the_one_the_next_step_reads(attribute: str) -> None:
+    """The step starts from its own flat buffers only while every layer still holds its views of them: one buffer
+    of each layer assigned anew (``running.var_acc = …``) is read by the next step, as in a twin whose four buffers
+    were all assigned anew (which the step always gathers)."""
+    g = torch.Generator().manual_seed(0)
+    x1, x2 = (torch.randn(6, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    runs = []
+    for one_buffer in (True, False):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        pre = BNPPreconditioner(net, rho=0.9, bias_correction=True)
+        net(x1).sum().backward()
+        pre.step()
+        net.zero_grad()
+        for layer in pre.layers.values():
+            running = layer.running
+            if not one_buffer:  # the twin: all four anew (no view of the step's buffers left)
+                for name in ("mean_acc", "var_acc", "decay", "_steps"):
+                    value = getattr(running, name)
+                    setattr(running, name, value.clone() if isinstance(value, torch.Tensor) else value)
+            new = {
+                "mean_acc": torch.full_like(running.mean_acc, 0.5),
+                "var_acc": torch.full_like(running.var_acc, 7.0),
+                "decay": torch.tensor([0.25], dtype=torch.float64),
+                "_steps": torch.tensor([5]),
+            }[attribute]
+            setattr(running, attribute, new)
+        net(x2).sum().backward()
+        pre.step()
+        runs.append(
+            [t for layer in pre.layers.values() for t in (layer.running.mean_acc, layer.running.var_acc,
+             layer.running.decay, torch.tensor(layer.running.steps))] + [p.grad for p in net.parameters()]
+        )  # fmt: skip
+    assert runs[0][3] == 6 if attribute == "_steps" else runs[0][3] == 2
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
