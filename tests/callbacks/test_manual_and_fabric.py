@@ -120,6 +120,68 @@ def test_manual_clipping_sees_the_preconditioned_gradient(tmp_path: Path) -> Non
     assert "clip_gradients" not in model.__dict__  # Lightning's own method again after the fit
 
 
+class TwoUpdatesPerBatch(Manual):
+    """One optimizer clipped and stepped twice in one ``training_step``, once per half of the batch (as a critic
+    trained for several updates on one batch)."""
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        for x, y in zip(*(part.chunk(2) for part in batch)):
+            self.manual_backward(nn.functional.cross_entropy(self.network(x), y))
+            self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+
+
+def test_an_optimizer_clipped_and_stepped_twice_in_one_batch_is_preconditioned_at_both_steps(tmp_path: Path) -> None:
+    """The second clipping of the batch is a new step's (its optimizer stepped since): BNP's step runs again, as in
+    the plain loop over the half batches."""
+    model = TwoUpdatesPerBatch()
+    pre = _fit_manual(tmp_path, model, steps=2 * STEPS)  # (Lightning counts both steps of a batch)
+    network = make_mlp()
+    ref_pre = BNPPreconditioner(network)
+    opt = torch.optim.SGD(network.parameters(), lr=LR)
+    for x, y in list(_loader())[:STEPS]:
+        for half_x, half_y in zip(x.chunk(2), y.chunk(2)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(network(half_x), half_y).backward()
+            ref_pre.step(opt)
+            torch.nn.utils.clip_grad_norm_(network.parameters(), 0.05)
+            opt.step()
+    assert ref_pre.layers["0"].running.steps == 2 * STEPS
+    assert_same(model.network, pre, network, ref_pre, "network.", rtol=1e-6, atol=1e-7)
+
+
+class WarmsUpAtTrainStart(Manual):
+    """Manual optimization with one step of its own before the first batch (``on_train_start``)."""
+
+    @override
+    def on_train_start(self) -> None:
+        opt = self.optimizers()
+        x, y = next(iter(_loader()))
+        self.manual_backward(nn.functional.cross_entropy(self.network(x), y))
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_manual_step_before_the_first_batch_is_preconditioned(tmp_path: Path) -> None:
+    """An optimizer step outside any batch (no batch has started: nothing was clipped yet) is BNP's step as any
+    other: the fit equals the plain loop with that step first."""
+    model = WarmsUpAtTrainStart()
+    pre = _fit_manual(tmp_path, model, steps=STEPS)  # (Lightning does not count the warm-up step)
+    network = make_mlp()
+    ref_pre = BNPPreconditioner(network)
+    opt = torch.optim.SGD(network.parameters(), lr=LR)
+    batches = list(_loader())
+    for x, y in [batches[0], *batches[:STEPS]]:
+        opt.zero_grad()
+        nn.functional.cross_entropy(network(x), y).backward()
+        ref_pre.step(opt)
+        opt.step()
+    assert_same(model.network, pre, network, ref_pre, "network.", **EXACT)
+
+
 def test_manual_optimization_in_float64(tmp_path: Path) -> None:
     model = Manual(clip=0.05)
     pre = _fit_manual(tmp_path, model, precision="64-true")
