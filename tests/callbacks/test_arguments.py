@@ -23,6 +23,7 @@ from lightning_bnp import (
 )
 from lightning_bnp.core.conditioning import apply_weight_conditioning, conditioned_layers
 from lightning_bnp.core.preconditioner import BNPPreconditioner
+from lightning_bnp.core.selection import DEFAULT_LAYER_TYPES
 from tests.helpers import BoringClassifier, _fit, make_data, make_mlp
 
 
@@ -49,6 +50,8 @@ BNP_CASES = [
     ({"layer_types": [nn.Linear]}, T, r"`layer_types` must be a string or a list of strings, got \[<class"),
     ({"include": 3}, T, r"`include` must be a string or a list of strings, got 3"),
     ({"exclude": ["fc", 3]}, T, r"`exclude` must be a string or a list of strings, got \['fc', 3\]"),
+    ({"embeddings": "yes"}, T, r"`embeddings` must be a bool \(True or False\), got 'yes' \(str\)"),
+    ({"conv_statistics": "x"}, V, r"`conv_statistics` must be 'channel' or 'column', got 'x'"),
 ]
 CASES: list[tuple[Callable[..., Any], dict[str, Any], type[Exception], str]] = [
     *((BatchNormPreconditioning, kwargs, error, match) for kwargs, error, match in BNP_CASES),
@@ -91,6 +94,7 @@ CASES: list[tuple[Callable[..., Any], dict[str, Any], type[Exception], str]] = [
     (TimingMonitor, {"every_n_steps": True}, T, r"`every_n_steps` must be an integer >= 1, got True \(bool\)"),
     (TimingMonitor, {"every_n_steps": 2.5}, T, r"`every_n_steps` must be an integer >= 1, got 2.5 \(float\)"),
     (TimingMonitor, {"every_n_steps": "50"}, T, r"`every_n_steps` must be an integer >= 1, got '50' \(str\)"),
+    (BatchNormPreconditioning, {"verbose": "yes"}, T, r"`verbose` must be a bool \(True or False\), got 'yes'"),
     (BatchNormPreconditioning, {"token_mask_layers": 3}, T, r"`token_mask_layers` must be a string or a list of"),
     (BatchNormPreconditioning, {"token_mask_layers": []}, V, r"`token_mask_layers` must be None or a non-empty list"),
 ]
@@ -114,6 +118,12 @@ def test_the_callbacks_flag_for_one_graph_per_step_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match=r"^`compile_step` must be a bool \(True or False\), got 'true'"):
         BatchNormPreconditioning(compile_step="true")  # type: ignore[arg-type]
 
+
+
+def test_the_callbacks_layer_types_none_means_the_default() -> None:
+    """``layer_types=None`` (``layer_types: null`` in a YAML file) is documented as the default's four types."""
+    assert BatchNormPreconditioning(layer_types=None).layer_types == BatchNormPreconditioning().layer_types
+    assert BatchNormPreconditioning().layer_types == list(DEFAULT_LAYER_TYPES)
 
 def test_ints_are_accepted_where_floats_are_meant() -> None:
     assert BatchNormPreconditioning(rho=0, eps1=1, eps2=1).eps1 == 1
