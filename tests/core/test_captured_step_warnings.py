@@ -10,6 +10,7 @@ import copy
 import pickle
 import warnings
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -140,3 +141,57 @@ def test_the_causes_a_pickle_holds_still_count_as_warned_after_loading() -> None
     messages = _warned_about(older, [_layer("a"), _layer("b"), _layer("c")], [inf, nan, nan])
     assert [m.split(" (")[0] for m in messages] == ["BNP layer 'a'", "BNP layer 'b'", "BNP layer 'c'"]
     assert "overflows float32" in messages[0] and "not finite" in messages[1]
+
+
+class _Recorder:
+    """Stands for a CUDA tensor or event on a machine without CUDA: records what is asked of it."""
+
+    def __init__(self, calls: list[tuple[Any, ...]], name: str, **attributes: Any) -> None:
+        self.calls, self.name = calls, name
+        self.__dict__.update(attributes)
+
+    def __getattr__(self, method: str) -> Any:
+        return lambda *args, **kwargs: self.calls.append((self.name, method, args, kwargs))
+
+
+def test_a_cuda_steps_maxima_are_copied_to_pinned_memory_without_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the host copy of a step's per-layer maxima never makes the host wait: a buffer of the vector's shape
+    and dtype in pinned memory, a non-blocking copy into it, and an event recorded after the copy (``report`` reads
+    the copy once the event has passed). Run here with stand-ins for the CUDA tensor and event (the copy itself:
+    ``test_cuda_graph.py`` on a GPU); a CPU vector is its own host copy."""
+    calls: list[tuple[Any, ...]] = []
+    flat = SimpleNamespace(device=SimpleNamespace(type="cuda"), shape=torch.Size([3]), dtype=torch.float64)
+    fake_torch = SimpleNamespace(
+        empty=lambda *args, **kwargs: calls.append(("torch", "empty", args, kwargs)) or _Recorder(calls, "host"),
+        cuda=SimpleNamespace(Event=lambda: _Recorder(calls, "event")),
+    )
+    monkeypatch.setattr(step_warnings, "torch", fake_torch)
+    host, done = step_warnings._host_copy(flat)  # type: ignore[arg-type]
+    assert isinstance(host, _Recorder) and host.name == "host" and isinstance(done, _Recorder)
+    assert calls == [
+        ("torch", "empty", (torch.Size([3]),), {"dtype": torch.float64, "pin_memory": True}),
+        ("host", "copy_", (flat,), {"non_blocking": True}),
+        ("event", "record", (), {}),
+    ]
+    monkeypatch.undo()
+    cpu = torch.zeros(3)
+    assert step_warnings._host_copy(cpu) == (cpu, None)
+
+
+def test_flush_reads_a_captured_vector_through_a_host_copy_then_clears_it() -> None:
+    """The maxima a captured step folds into a device vector are read back with ``.to("cpu", copy=True)`` (a copy
+    also on the CPU: the vector is cleared next), then the vector is zeroed; a stand-in for a CUDA vector here."""
+    calls: list[tuple[Any, ...]] = []
+
+    class CudaVector(_Recorder):
+        def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            calls.append(("alarm", "to", args, kwargs))
+            return torch.tensor([float("nan")])
+
+    warner = StepWarnings(running=True)
+    warner.captured[1] = ([SimpleNamespace(name="a", module=nn.Linear(1, 1))], CudaVector(calls, "alarm"))  # type: ignore[list-item]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", BNPWarning)
+        warner.flush()
+    assert calls == [("alarm", "to", ("cpu",), {"copy": True}), ("alarm", "zero_", (), {})]
+    assert [str(w.message).split(" (")[0] for w in caught] == ["BNP layer 'a'"]
