@@ -74,10 +74,10 @@ class LateLayers:
 
     def __getstate__(self) -> dict[str, Any]:
         # weak references do not copy, and a copy's model is another one: a copy does not look
-        return {**self.__dict__, "model": None, "known": {}, "counts": None, "bias_free": []}
+        return {**self.__dict__, "model": None, "known": {}, "counts": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"bias_free": [], **state, "counts": weakref.WeakKeyDictionary()})
+        self.__dict__.update({**state, "counts": weakref.WeakKeyDictionary()})
 
     def check(self, optimizer: Optimizer, params: list[Tensor]) -> None:
         """Name the layers BNP would manage whose parameters ``optimizer`` (the ``torch.optim.Optimizer`` itself:

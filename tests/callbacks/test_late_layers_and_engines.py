@@ -136,7 +136,7 @@ def test_a_bias_registered_on_a_managed_layer_after_set_up_is_named_once() -> No
     """A Linear set up without a bias keeps the bias-free transform (``test_robustness.py::
     test_a_bias_registered_after_set_up_is_left_as_autograd_gave_it``); once an optimizer BNP steps holds a bias
     registered on it since, that is said, once, naming the layer; a bias that was there at set-up is not named."""
-    model = nn.Sequential(nn.Linear(4, 3, bias=False), nn.Tanh(), nn.Linear(3, 2))
+    model = nn.Sequential(nn.Linear(4, 3, bias=False), nn.Tanh(), nn.Linear(3, 2), nn.Linear(2, 2, bias=False))
     pre = BNPPreconditioner(model)
     model[0].bias = nn.Parameter(torch.zeros(3))
     model[2].bias = nn.Parameter(torch.zeros(2))  # replaced: the layer had one at set-up, and the step reads it
@@ -153,6 +153,13 @@ def test_a_bias_registered_on_a_managed_layer_after_set_up_is_named_once() -> No
     with warnings.catch_warnings():
         warnings.simplefilter("error", BNPWarning)  # said once
         pre.step(opt)
+    opt.step()
+    model[3].bias = nn.Parameter(torch.zeros(2))  # another layer's, later: said for that one
+    opt.add_param_group({"params": [model[3].bias]})
+    model(x).square().sum().backward()
+    with pytest.warns(BNPWarning) as caught:
+        pre.step(opt)
+    assert [str(w.message) for w in caught] == [LATE_BIASES.format(layers=["3"], optimizer="SGD")]
 
 
 def test_param_groups_of_known_layers_added_later_are_not_named() -> None:
