@@ -135,7 +135,8 @@ def test_the_core_names_a_layer_added_after_it_and_the_second_preconditioner_it_
 def test_a_bias_registered_on_a_managed_layer_after_set_up_is_named_once() -> None:
     """A Linear set up without a bias keeps the bias-free transform (``test_robustness.py::
     test_a_bias_registered_after_set_up_is_left_as_autograd_gave_it``); once an optimizer BNP steps holds a bias
-    registered on it since, that is said, once, naming the layer; a bias that was there at set-up is not named."""
+    registered on it since, that is said, once, naming the layer (a later one on another layer: for that layer); a
+    bias that was there at set-up is not named."""
     model = nn.Sequential(nn.Linear(4, 3, bias=False), nn.Tanh(), nn.Linear(3, 2), nn.Linear(2, 2, bias=False))
     pre = BNPPreconditioner(model)
     model[0].bias = nn.Parameter(torch.zeros(3))
