@@ -119,11 +119,11 @@ def test_the_callbacks_flag_for_one_graph_per_step_must_be_a_bool() -> None:
         BatchNormPreconditioning(compile_step="true")  # type: ignore[arg-type]
 
 
-
 def test_the_callbacks_layer_types_none_means_the_default() -> None:
     """``layer_types=None`` (``layer_types: null`` in a YAML file) is documented as the default's four types."""
     assert BatchNormPreconditioning(layer_types=None).layer_types == BatchNormPreconditioning().layer_types
     assert BatchNormPreconditioning().layer_types == list(DEFAULT_LAYER_TYPES)
+
 
 def test_ints_are_accepted_where_floats_are_meant() -> None:
     assert BatchNormPreconditioning(rho=0, eps1=1, eps2=1).eps1 == 1

@@ -303,7 +303,6 @@ class Adapted(nn.Linear):
         self.adapter = nn.Linear(4, 4)
 
 
-
 def test_a_parametrized_root_module_is_named_for_its_parametrization() -> None:
     """The model itself parametrized (its parameter ``parametrizations.weight.original``, the marker at the start of
     the name): named for its parametrization, as one further down is."""
@@ -319,6 +318,7 @@ def test_a_parametrized_root_module_is_named_for_its_parametrization() -> None:
         )
     }
     pre.detach()
+
 
 def test_a_linear_inside_an_included_linear_is_named_for_the_include_it_does_not_match() -> None:
     """``include`` matches a layer by its own name (``a``), not its parent's: ``a.adapter`` is left out by the
@@ -390,7 +390,6 @@ def test_row_blocks_of_a_packed_weight_left_out_of_layer_types_are_named_for_tha
     pre.detach()
 
 
-
 def test_row_blocks_only_left_out_of_layer_types_are_not_said_dropped_by_a_pattern() -> None:
     """Without ``include``/``exclude``, the reason names ``layer_types`` alone (and row blocks dropped by patterns
     only, the patterns alone: ``test_frozen_weights_left_alone_are_named_frozen_after_the_trainable_ones_…``)."""
@@ -400,6 +399,7 @@ def test_row_blocks_only_left_out_of_layer_types_are_not_said_dropped_by_a_patte
         "row blocks ['attn.k', 'attn.v'] of it not in `layer_types`; the others are transformed"
     )
     pre.detach()
+
 
 def test_an_attention_whose_q_k_and_v_are_all_excluded_names_the_first_pattern() -> None:
     """``exclude`` matches ``attn.q``, the layer's name (module name plus the kind's suffix)."""

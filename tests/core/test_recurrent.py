@@ -602,6 +602,7 @@ def test_a_cell_whose_two_outputs_reach_the_loss_counts_its_call_once() -> None:
 def test_each_layers_own_module_says_whether_its_blocks_are_column_blocks_of_one_layer() -> None:
     """:meth:`LayerKind.column_block` is asked of each layer's module: a user's kind that joins the two blocks of
     some cells only (here the ones flagged ``joined``) gets one run for those and layers on their own for the rest."""
+
     class FlaggedCell(nn.RNNCell):
         joined = True
 
