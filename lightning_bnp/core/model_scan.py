@@ -66,8 +66,8 @@ def kinds_for(layer_types: Sequence[str]) -> list[LayerKind]:
 def kinds_of(module: nn.Module, kinds: Sequence[LayerKind]) -> list[LayerKind]:
     """The kinds among ``kinds`` that apply to ``module``: per :attr:`~LayerKind.suffix`, the one whose class is
     the most specific (first in the module's MRO), e.g. a user's kind for a subclass of ``nn.Linear``, and of equally
-    specific ones the first in ``kinds``; of those,
-    the ones whose rows the module holds in its form (:meth:`~LayerKind.present`: a bidirectional layer's reverse)."""
+    specific ones the first in ``kinds``; of those, the ones whose rows the module holds in its form
+    (:meth:`~LayerKind.present`: a bidirectional layer's reverse)."""
     mro = type(module).__mro__
     best: dict[str, tuple[int, LayerKind]] = {}
     for kind in kinds:
