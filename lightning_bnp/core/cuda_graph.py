@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_bnp.core.graph_runtime import CUDA_GRAPHS, GraphRuntime, ReplayableGraph
 from lightning_bnp.core.pending import unwrap_optimizer
 from lightning_bnp.core.preconditioner import BNPPreconditioner
 
@@ -44,6 +44,8 @@ class GraphedTrainingStep:
         RuntimeError: no CUDA device (checked before the optimizer's options).
     """
 
+    runtime: GraphRuntime = CUDA_GRAPHS  # (the test suite's CPU stand-in replaces it)
+
     def __init__(
         self,
         loss_of: Callable[..., Tensor],
@@ -54,7 +56,7 @@ class GraphedTrainingStep:
     ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"`warmup_steps` must be an int ≥ 1 (BNP plans its step there), got {warmup_steps!r}")
-        if not torch.cuda.is_available():  # before the optimizer's options, which only matter for a CUDA graph
+        if not self.runtime.available():  # before the optimizer's options, which only matter for a CUDA graph
             raise RuntimeError(
                 "GraphedTrainingStep needs a CUDA device (torch.cuda.is_available() is False): a CUDA graph captures "
                 "CUDA kernels. Without one, run the step eagerly: loss.backward(); pre.step(optimizer); "
@@ -73,7 +75,7 @@ class GraphedTrainingStep:
         self.wrapper = optimizer if optimizer is not inner else None
         self.warmup_steps = warmup_steps
         self.calls = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: ReplayableGraph | None = None
         self.static_batch: tuple[Tensor, ...] = ()
         self.static_loss: Tensor | None = None
 
@@ -103,19 +105,15 @@ class GraphedTrainingStep:
     def _call(self, batch: tuple[Tensor, ...]) -> Tensor:
         self.calls += 1
         if self.graph is None and self.calls <= self.warmup_steps:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            with self.runtime.warmup():
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = self._step(batch)
-            torch.cuda.current_stream().wait_stream(side)
             return loss
         if self.graph is None:
             self.static_batch = tuple(t.clone() for t in batch)
             # the captured backward writes fresh gradients (not accumulated): its .grad tensors are made in capture
             self.optimizer.zero_grad(set_to_none=True)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with self.runtime.capture() as graph:
                 self.static_loss = self._step(self.static_batch)
             self.graph = graph  # (capture runs nothing: the replay below is this call's step)
         if len(batch) != len(self.static_batch) or any(

@@ -2,7 +2,11 @@
 docs' "CUDA graphs" guide) equals the eager run step for step: parameters and running statistics after each of 53
 steps (3 eager warm-up steps, then 50 replays), for running statistics with and without bias correction, batch
 statistics, token masks, and channel and column statistics of convolutions. Non-finite statistics in a replayed
-step leave the statistics as they were and are warned about by ``flush_warnings()``. CUDA only."""
+step leave the statistics as they were and are warned about by ``flush_warnings()``.
+
+Each test runs on a CUDA device (skipped without one) and on the CPU with the suite's stand-in for CUDA graphs
+(``tests/recorded_graphs.py``: the step's operations recorded at capture, with a CUDA graph's rules, and replayed);
+Adam's ``capturable=True`` runs only on CUDA."""
 
 from __future__ import annotations
 
@@ -15,8 +19,18 @@ import torch
 from torch import Tensor, nn
 
 from lightning_bnp.core import BNPPreconditioner, BNPWarning, GraphedTrainingStep
+from tests.recorded_graphs import RecordedGraph, RecordedGraphs
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = pytest.param("cuda", marks=NO_CUDA)
+
+
+@pytest.fixture(params=[CUDA, "cpu"])
+def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "cpu":
+        monkeypatch.setattr(GraphedTrainingStep, "runtime", RecordedGraphs())
+    return str(request.param)
+
 
 STEPS = 53  # 3 warm-up steps and 50 replays
 
@@ -49,21 +63,21 @@ def _cnn() -> nn.Module:
     )
 
 
-def _batches(kind: str, n: int = STEPS, batch: int = 16) -> list[tuple[Tensor, ...]]:
+def _batches(kind: str, device: str, n: int = STEPS, batch: int = 16) -> list[tuple[Tensor, ...]]:
     g = torch.Generator().manual_seed(7)
     out: list[tuple[Tensor, ...]] = []
     for _ in range(n):
         y = torch.randint(0, 3, (batch,), generator=g)
         if kind == "cnn":
             x = torch.randn(batch, 2, 8, 8, generator=g) * torch.tensor([0.3, 3.0]).view(1, 2, 1, 1) + 0.5
-            out.append((x.cuda(), y.cuda()))
+            out.append((x.to(device), y.to(device)))
         elif kind == "tokens":
             x = torch.randn(batch, 5, 6, generator=g) * torch.logspace(-1, 1, 6) + 0.5
             mask = torch.arange(5).expand(batch, 5) < torch.randint(1, 6, (batch, 1), generator=g)
-            out.append((x.cuda(), y.cuda(), mask.cuda()))
+            out.append((x.to(device), y.to(device), mask.to(device)))
         else:
             x = torch.randn(batch, 6, generator=g) * torch.logspace(-1, 1, 6) + 0.5
-            out.append((x.cuda(), y.cuda()))
+            out.append((x.to(device), y.to(device)))
     return out
 
 
@@ -77,9 +91,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _make(kind: str, options: dict[str, Any], adam: bool) -> tuple[nn.Module, BNPPreconditioner, Any, Callable]:
+def _make(
+    kind: str, options: dict[str, Any], adam: bool, device: str
+) -> tuple[nn.Module, BNPPreconditioner, Any, Callable]:
     torch.manual_seed(0)
-    model = {"mlp": _mlp, "cnn": _cnn, "tokens": TokenNet}[kind]().cuda()
+    model = {"mlp": _mlp, "cnn": _cnn, "tokens": TokenNet}[kind]().to(device)
     pre = BNPPreconditioner(model, **options)
     if adam:
         opt: Any = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
@@ -105,8 +121,10 @@ def _state(model: nn.Module, pre: BNPPreconditioner) -> dict[str, Tensor]:
     return state
 
 
-def _eager_states(kind: str, options: dict[str, Any], adam: bool, data: list[tuple[Tensor, ...]]) -> list[dict]:
-    model, pre, opt, loss_of = _make(kind, options, adam)
+def _eager_states(
+    kind: str, options: dict[str, Any], adam: bool, device: str, data: list[tuple[Tensor, ...]]
+) -> list[dict]:
+    model, pre, opt, loss_of = _make(kind, options, adam, device)
     states = []
     for batch in data:
         opt.zero_grad(set_to_none=True)
@@ -117,13 +135,21 @@ def _eager_states(kind: str, options: dict[str, Any], adam: bool, data: list[tup
     return states
 
 
-@pytest.mark.parametrize("adam", [False, True], ids=["sgd-momentum", "adam-capturable"])
+@pytest.mark.parametrize(
+    ("device", "adam"),
+    [  # (torch's Adam steps with capturable=True only on CUDA)
+        pytest.param("cuda", False, marks=NO_CUDA, id="cuda-sgd-momentum"),
+        pytest.param("cuda", True, marks=NO_CUDA, id="cuda-adam-capturable"),
+        pytest.param("cpu", False, id="cpu-sgd-momentum"),
+    ],
+    indirect=["device"],
+)
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_replayed_step_equals_the_eager_step_for_step(case: str, adam: bool) -> None:
+def test_a_replayed_step_equals_the_eager_step_for_step(case: str, adam: bool, device: str) -> None:
     kind, options = CASES[case]
-    data = _batches(kind)
-    expected = _eager_states(kind, options, adam, data)
-    model, pre, opt, loss_of = _make(kind, options, adam)
+    data = _batches(kind, device)
+    expected = _eager_states(kind, options, adam, device, data)
+    model, pre, opt, loss_of = _make(kind, options, adam, device)
     graphed = GraphedTrainingStep(loss_of, opt, pre, warmup_steps=3)
     worst = 0.0
     for step, (batch, want) in enumerate(zip(data, expected)):
@@ -136,12 +162,14 @@ def test_a_replayed_step_equals_the_eager_step_for_step(case: str, adam: bool) -
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=f"step {step}: {name}")
     if options.get("statistics") != "batch":
         assert all(layer.running.steps == STEPS for layer in pre.layers.values())
+    if isinstance(graphed.graph, RecordedGraph):  # (every step after the warm-up was a replay)
+        assert graphed.graph.replays == STEPS - 3
     print(f"{case}, {'adam' if adam else 'sgd'}: largest difference {worst:.2e}")
 
 
-def test_a_non_finite_replayed_step_keeps_the_statistics_and_flush_warnings_names_the_layer() -> None:
-    data = _batches("mlp", n=6)
-    model, pre, opt, loss_of = _make("mlp", {}, adam=False)
+def test_a_non_finite_replayed_step_keeps_the_statistics_and_flush_warnings_names_the_layer(device: str) -> None:
+    data = _batches("mlp", device, n=6)
+    model, pre, opt, loss_of = _make("mlp", {}, adam=False, device=device)
     graphed = GraphedTrainingStep(loss_of, opt, pre, warmup_steps=3)
     for batch in data[:4]:
         graphed(*batch)
