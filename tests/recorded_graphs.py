@@ -144,6 +144,7 @@ class RecordedGraphs:
     """The CPU stand-in runtime: warm-up steps run as they are, ``capture()`` records a :class:`RecordedGraph`."""
 
     name = "recorded CPU graphs"
+    device_type = "cpu"
 
     def __init__(self) -> None:
         self.graphs: list[RecordedGraph] = []

@@ -20,7 +20,22 @@ from lightning_bnp.core.graph_runtime import CUDA_GRAPHS, GraphRuntime, Replayab
 from lightning_bnp.core.pending import unwrap_optimizer
 from lightning_bnp.core.preconditioner import BNPPreconditioner
 
-__all__ = ["GraphedTrainingStep"]
+__all__ = ["GraphedTrainingStep", "check_capturable"]
+
+
+def check_capturable(optimizer: Optimizer) -> None:
+    """Refuse an optimizer whose step a graph cannot replay: one with a ``capturable`` option left off (Adam's step
+    count then lives on the host).
+
+    Raises:
+        ValueError: a param group with ``capturable=False``, named by its index.
+    """
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("capturable") is False:
+            raise ValueError(
+                f"`optimizer` ({type(optimizer).__name__}) has capturable=False in param group {i}: a CUDA graph "
+                f"replays its step only with capturable=True (e.g. torch.optim.Adam(..., capturable=True))"
+            )
 
 
 class GraphedTrainingStep:
@@ -63,12 +78,7 @@ class GraphedTrainingStep:
                 "optimizer.step()"
             )
         inner = unwrap_optimizer(optimizer)
-        for i, group in enumerate(inner.param_groups):
-            if group.get("capturable") is False:
-                raise ValueError(
-                    f"`optimizer` ({type(inner).__name__}) has capturable=False in param group {i}: a CUDA graph "
-                    f"replays its step only with capturable=True (e.g. torch.optim.Adam(..., capturable=True))"
-                )
+        check_capturable(inner)
         self.loss_of, self.optimizer, self.preconditioner = loss_of, inner, preconditioner
         # a wrapper that counts optimizer steps around its step() (Lightning's LightningOptimizer in manual
         # optimization: trainer.global_step) counts every call, the replays too

@@ -1,10 +1,10 @@
 """What a captured training step needs of CUDA graphs, in three calls: eager warm-up steps on a side stream, the capture
 of one step into a graph, and the graph's replay (torch's "whole network capture" recipe, docs "CUDA graphs").
 
-:class:`~lightning_bnp.core.cuda_graph.GraphedTrainingStep` reaches CUDA only through a :class:`GraphRuntime`, so
-that the test suite can run it on a machine without CUDA: its stand-in (``tests/recorded_graphs.py``) records a step's
-tensor operations at capture, with a CUDA graph's rules (nothing read back to the host, nothing written at capture),
-and replays them on the same tensors.
+:class:`~lightning_bnp.core.cuda_graph.GraphedTrainingStep` and the :class:`~lightning_bnp.GraphedSteps` callback
+reach CUDA only through a :class:`GraphRuntime`, so that the test suite can run both on a machine without CUDA: its
+stand-in (``tests/recorded_graphs.py``) records a step's tensor operations at capture, with a CUDA graph's rules
+(nothing read back to the host, nothing written at capture), and replays them on the same tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class GraphRuntime(Protocol):
     the one step that is captured (it yields the graph, which runs nothing until its first replay)."""
 
     name: str
+    device_type: str  # the device its steps' tensors are on
 
     def available(self) -> bool: ...
 
@@ -42,6 +43,7 @@ class CUDAGraphs:
     on a side stream that the current stream then waits for (as ``torch.cuda.graph``'s documentation asks)."""
 
     name = "CUDA"
+    device_type = "cuda"
 
     def available(self) -> bool:
         return torch.cuda.is_available()

@@ -1,7 +1,8 @@
-"""A ``Trainer`` fit whose LightningModule replays its training step from a CUDA graph (manual optimization and
-``GraphedTrainingStep`` with the callback's preconditioner, the pattern of the docs' "CUDA graphs" guide) ends
-where the eager fit with the callback in automatic optimization ends: the same weights and running statistics
-after 24 steps. CUDA only."""
+"""A ``Trainer`` fit whose steps are replayed from a CUDA graph ends where the eager fit with the callback in
+automatic optimization ends: the same weights and running statistics after 24 steps. Two ways: the
+``GraphedSteps`` callback in automatic optimization, and manual optimization with ``GraphedTrainingStep`` and the
+callback's preconditioner (the docs' "CUDA graphs" guide). CUDA only (``test_graphed_steps.py`` runs the callback's
+fits on the CPU with the suite's stand-in for CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_bnp import BatchNormPreconditioning
+from lightning_bnp import BatchNormPreconditioning, GraphedSteps
 from lightning_bnp.core import GraphedTrainingStep
 from tests.helpers import make_data
 
@@ -63,15 +64,16 @@ class RecordStatistics(pl.Callback):
             self.state[name] = (r.mean_acc.clone(), r.var_acc.clone(), r.steps)
 
 
-def _fit(tmp_path: Path, graphed: bool) -> tuple[Classifier, dict[str, Any]]:
-    model, bnp = Classifier(graphed), BatchNormPreconditioning(verbose=False)
+def _fit(tmp_path: Path, graphed: bool, callback: bool = False) -> tuple[Classifier, dict[str, Any]]:
+    model, bnp = Classifier(graphed and not callback), BatchNormPreconditioning(verbose=False)
     record = RecordStatistics(bnp)
+    graphed_steps = [GraphedSteps()] if callback else []
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
         accelerator="cuda",
         devices=1,
         max_steps=24,
-        callbacks=[bnp, record],
+        callbacks=[bnp, record, *graphed_steps],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -83,10 +85,11 @@ def _fit(tmp_path: Path, graphed: bool) -> tuple[Classifier, dict[str, Any]]:
     return model, record.state
 
 
-def test_a_graphed_fit_ends_where_the_eager_fit_ends(tmp_path: Path) -> None:
+@pytest.mark.parametrize("callback", [False, True], ids=["manual-GraphedTrainingStep", "automatic-GraphedSteps"])
+def test_a_graphed_fit_ends_where_the_eager_fit_ends(tmp_path: Path, callback: bool) -> None:
     eager, eager_statistics = _fit(tmp_path / "eager", graphed=False)
-    graphed, graphed_statistics = _fit(tmp_path / "graphed", graphed=True)
-    assert graphed.graphed is not None and graphed.graphed.captured
+    graphed, graphed_statistics = _fit(tmp_path / "graphed", graphed=True, callback=callback)
+    assert callback or (graphed.graphed is not None and graphed.graphed.captured)
     for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
     assert list(graphed_statistics) == list(eager_statistics) == ["network.0", "network.2", "network.4"]

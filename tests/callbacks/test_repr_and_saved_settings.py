@@ -15,6 +15,7 @@ from torch import nn
 from lightning_bnp import (
     BatchNormPreconditioning,
     ConditionNumberMonitor,
+    GraphedSteps,
     TimingMonitor,
     WeightConditioning,
     ZSpaceRegularization,
@@ -39,6 +40,7 @@ from tests.helpers import BoringClassifier, _fit, make_data, make_mlp
         ),
         (lambda: ConditionNumberMonitor(every_n_steps=7), "ConditionNumberMonitor(every_n_steps=7, layers=None, "),
         (lambda: TimingMonitor(every_n_steps=3), "TimingMonitor(every_n_steps=3)"),
+        (lambda: GraphedSteps(warmup_steps=5), "GraphedSteps(warmup_steps=5)"),
     ],
     ids=[
         "BatchNormPreconditioning",
@@ -46,6 +48,7 @@ from tests.helpers import BoringClassifier, _fit, make_data, make_mlp
         "ZSpaceRegularization",
         "ConditionNumberMonitor",
         "TimingMonitor",
+        "GraphedSteps",
     ],
 )
 def test_callbacks_repr_their_arguments(make: Callable[[], object], expected: str) -> None:

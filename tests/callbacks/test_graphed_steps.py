@@ -1,0 +1,293 @@
+"""``GraphedSteps``: a plain ``Trainer.fit`` (automatic optimization) whose optimizer steps are replayed from one
+captured graph ends where the eager fit ends — weights, BNP's running statistics, ``global_step``, every logged value
+and every ``on_train_batch_end`` loss, step for step — with validation, gradient clipping and a resume from a
+checkpoint in between; and what a replay cannot follow is refused by name.
+
+On the CPU the suite's stand-in for CUDA graphs runs the captured steps (``tests/recorded_graphs.py``: the step's
+tensor operations recorded at capture, nothing written or read back to the host there, replayed on the same
+tensors and no Python); ``test_cuda_graph_fit.py`` runs the same fit on a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_bnp import BatchNormPreconditioning, GraphedSteps
+from tests.helpers import make_data
+from tests.recorded_graphs import RecordedGraph, RecordedGraphs
+
+
+@pytest.fixture(autouse=True)
+def _recorded_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(GraphedSteps, "runtime", RecordedGraphs())
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.network = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.optimizer = optimizer
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.network(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        self.log("weight_norm", self.network[0].weight.norm())
+        return loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.network(x), y))
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class Record(pl.Callback):
+    """Per step: the loss the loop hands ``on_train_batch_end`` and the logged values; at the end, BNP's state."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.logged: list[dict[str, float]] = []
+        self.statistics: dict[str, tuple[Tensor, Tensor, int]] = {}
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        bnp = next(c for c in trainer.callbacks if isinstance(c, BatchNormPreconditioning))  # type: ignore[attr-defined]
+        assert bnp.preconditioner is not None
+        for name, layer in bnp.preconditioner.layers.items():
+            r = layer.running
+            self.statistics[name] = (r.mean_acc.clone(), r.var_acc.clone(), r.steps)
+
+
+def _fit(
+    root: Path, graphed: GraphedSteps | None, max_steps: int = 24, ckpt_path: str | None = None, **trainer: Any
+) -> tuple[Classifier, Record, pl.Trainer]:
+    model, record = Classifier(), Record()
+    callbacks: list[pl.Callback] = [BatchNormPreconditioning(verbose=False), record]
+    if graphed is not None:
+        callbacks.append(graphed)
+    fit = pl.Trainer(
+        default_root_dir=root,
+        accelerator="cpu",
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        gradient_clip_val=0.5,
+        **trainer,
+    )
+    data = DataLoader(make_data(n=96), batch_size=16, shuffle=True, drop_last=True)
+    torch.manual_seed(1)
+    fit.fit(model, data, DataLoader(make_data(n=32, seed=2), batch_size=16), ckpt_path=ckpt_path)
+    return model, record, fit
+
+
+def _assert_same_fit(got: tuple[Classifier, Record, pl.Trainer], want: tuple[Classifier, Record, pl.Trainer]) -> None:
+    (model, record, trainer), (eager, eager_record, eager_trainer) = got, want
+    assert trainer.global_step == eager_trainer.global_step
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    assert list(record.statistics) == list(eager_record.statistics) == ["network.0", "network.2", "network.4"]
+    for name, (mean_acc, var_acc, steps) in eager_record.statistics.items():
+        torch.testing.assert_close(record.statistics[name][0], mean_acc, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(record.statistics[name][1], var_acc, rtol=1e-5, atol=1e-6, msg=name)
+        assert record.statistics[name][2] == steps
+    assert record.losses == pytest.approx(eager_record.losses, rel=1e-5)
+    assert [sorted(d) for d in record.logged] == [sorted(d) for d in eager_record.logged]
+    for step, (d, e) in enumerate(zip(record.logged, eager_record.logged)):
+        assert d == pytest.approx(e, rel=1e-5), f"step {step}"
+
+
+def test_a_graphed_fit_ends_where_the_eager_fit_ends_step_for_step(tmp_path: Path) -> None:
+    eager = _fit(tmp_path / "eager", None, val_check_interval=5)
+    graphed_steps = GraphedSteps(warmup_steps=3)
+    graphed = _fit(tmp_path / "graphed", graphed_steps, val_check_interval=5)
+    _assert_same_fit(graphed, eager)
+    assert graphed[2].global_step == 24 and len(graphed[1].losses) == 24
+    (graph,) = GraphedSteps.runtime.graphs  # type: ignore[attr-defined]
+    assert isinstance(graph, RecordedGraph) and graph.replays == 24 - 3  # (the capture step is a replay too)
+    assert "optimizer_step" not in vars(graphed[0])  # the module's own hook again after the fit
+    assert not graphed_steps.captured  # (the graph and its tensors are dropped at teardown)
+
+
+def _resumed(root: Path, graphed: bool) -> tuple[Classifier, Record, pl.Trainer]:
+    """12 steps, a checkpoint, and 8 more steps from it (in a new Trainer, with a new model)."""
+    first = _fit(root / "first", GraphedSteps(warmup_steps=2) if graphed else None, max_steps=12)
+    path = root / "half.ckpt"
+    first[2].save_checkpoint(path)
+    return _fit(root / "resumed", GraphedSteps(warmup_steps=2) if graphed else None, max_steps=20, ckpt_path=str(path))
+
+
+def test_a_graphed_fit_resumed_from_a_checkpoint_ends_where_the_eager_fit_resumed_ends(tmp_path: Path) -> None:
+    graphed = _resumed(tmp_path / "graphed", graphed=True)
+    assert graphed[2].global_step == 20 and len(graphed[1].losses) == 8
+    _assert_same_fit(graphed, _resumed(tmp_path / "eager", graphed=False))
+    assert all(steps == 20 for _, _, steps in graphed[1].statistics.values())  # (BNP's step count carried over)
+
+
+class Options(Classifier):
+    """The classifier with another optimizer, a scheduler, manual optimization or a logged Metric or float."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self.options = options
+        self.automatic_optimization = not options.get("manual", False)
+        if options.get("metric"):
+            from torchmetrics.classification import MulticlassAccuracy
+
+            self.accuracy = MulticlassAccuracy(num_classes=3)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.options.get("metric"):
+            self.accuracy(self.network(batch[0]), batch[1])
+            self.log("accuracy", self.accuracy)
+        if self.options.get("python_value"):
+            self.log("batch_idx", float(batch_idx))
+        return loss
+
+    @override
+    def configure_optimizers(self) -> Any:
+        opt = self.options.get("optimizer", lambda p: torch.optim.SGD(p, lr=0.05))(self.parameters())
+        if "scheduler" in self.options:
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2)}
+        return opt
+
+
+def _fit_options(
+    tmp_path: Path, model: Options, max_steps: int = 6, callbacks: list[pl.Callback] | None = None, **trainer: Any
+) -> pl.Trainer:
+    """A fit with ``GraphedSteps(warmup_steps=1)`` (or the given callbacks)."""
+    fit = pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_steps=max_steps,
+        callbacks=[GraphedSteps(warmup_steps=1)] if callbacks is None else callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **trainer,
+    )
+    fit.fit(model, DataLoader(make_data(n=96), batch_size=16, drop_last=True))
+    return fit
+
+
+@pytest.mark.parametrize(
+    ("options", "trainer", "error", "match"),
+    [
+        ({"manual": True}, {}, ValueError, r"automatic_optimization=False: call lightning_bnp\.core\.GraphedTraining"),
+        ({}, {"precision": "bf16-mixed"}, ValueError, r"precision='bf16-mixed' \(MixedPrecision\).*GradScaler"),
+        ({}, {"accumulate_grad_batches": 2}, ValueError, r"accumulate_grad_batches=2 runs the other micro-batches"),
+        (
+            {"optimizer": lambda p: torch.optim.Adam(p, capturable=False)},
+            {},
+            ValueError,
+            r"`optimizer` \(Adam\) has capturable=False in param group 0",
+        ),
+        (
+            {"scheduler": True},
+            {},
+            ValueError,
+            r"scheduler StepLR changes the lr of param group 0 of SGD, which reads it as a Python float \(lr=0\.05\)",
+        ),
+    ],
+    ids=["manual", "mixed precision", "accumulation", "not capturable", "scheduler of a float lr"],
+)
+def test_what_a_replay_cannot_follow_is_refused_at_fit_start(
+    tmp_path: Path, options: dict[str, Any], trainer: dict[str, Any], error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        _fit_options(tmp_path, Options(**options), **trainer)
+
+
+def test_without_a_device_of_its_runtime_it_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(GraphedSteps.runtime, "available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"needs a recorded CPU graphs device to capture steps on, and this"):
+        _fit_options(tmp_path, Options())
+    monkeypatch.setattr(GraphedSteps.runtime, "available", lambda: True)
+    monkeypatch.setattr(GraphedSteps.runtime, "device_type", "cuda")
+    with pytest.raises(RuntimeError, match=r"one cuda device; this fit runs on SingleDeviceStrategy \(cpu\)"):
+        _fit_options(tmp_path, Options())
+
+
+class TensorLrSGD(torch.optim.Optimizer):
+    """Plain SGD that reads its lr as a tensor in its step (as Adam's capturable=True step does on CUDA)."""
+
+    def __init__(self, params: Any, lr: Tensor) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None if closure is None else closure()  # (Lightning's closure: forward and backward)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.grad)
+        return loss
+
+
+def test_a_scheduler_of_a_tensor_lr_changes_the_lr_of_every_replay(tmp_path: Path) -> None:
+    """StepLR halves the lr every 2 epochs: it fills the tensor the captured step reads."""
+    weights = []
+    for graphed in (False, True):
+        model = Options(scheduler=True, optimizer=lambda p: TensorLrSGD(p, lr=torch.tensor(0.5)))
+        fit = _fit_options(tmp_path / str(graphed), model, max_steps=30, callbacks=[] if not graphed else None)
+        assert fit.global_step == 30
+        assert float(fit.optimizers[0].param_groups[0]["lr"]) == pytest.approx(0.5 * 0.1**2)  # (epochs 0-1, 2-3, 4)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for eager, replayed in zip(*weights):
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_of_another_shape_is_refused_by_name(tmp_path: Path) -> None:
+    fit = pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_steps=8,
+        callbacks=[GraphedSteps(warmup_steps=1)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with pytest.raises(ValueError, match=r"`batch` 2: its tensor 0 is \(10, 6\) torch.float32, the captured step's"):
+        fit.fit(Options(), DataLoader(make_data(n=42), batch_size=16))  # (16, 16, 10)
+    assert "optimizer_step" not in vars(fit.lightning_module)  # (unwrapped by on_exception)
+
+
+def test_a_metric_logged_in_the_captured_step_is_refused_and_a_python_value_is_warned_about(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"self\.log\('accuracy', <Metric>\) in the captured step"):
+        _fit_options(tmp_path, Options(metric=True))
+    with pytest.warns(UserWarning, match=r"self\.log\('batch_idx', 1\.0\) logs a Python value in the captured step"):
+        fit = _fit_options(tmp_path, Options(python_value=True))
+    assert fit.callback_metrics["batch_idx"] == 1.0  # (the captured value, logged again by each replay)
+
+
+@pytest.mark.parametrize("warmup", [0, -2, 1.5, True, "3"])
+def test_warmup_steps_must_be_an_int_of_at_least_one(warmup: object) -> None:
+    error = ValueError if isinstance(warmup, int) and not isinstance(warmup, bool) else TypeError
+    with pytest.raises(error, match=r"`warmup_steps` must be an integer >= 1, got " + repr(warmup).replace(".", r"\.")):
+        GraphedSteps(warmup_steps=warmup)  # type: ignore[arg-type]
