@@ -51,13 +51,14 @@ class TokenMasks:
 
     def __init__(self, layers: list[ManagedLayer]) -> None:
         self.layers = layers
-        self.mask: Tensor | None = None  # True = a real token
+        self.mask: Tensor | None = None  # True or nonzero = a real token
+        self._real: tuple[Tensor, Tensor] | None = None  # (an integer mask, it as a bool tensor) once a forward read it
         self.applies_to: frozenset[str] | None = None  # the layers it applies to (None: all)
         self._chosen: dict[tuple[str, ...], frozenset[str]] = {}  # `layers` patterns → layer names
 
     def __getstate__(self) -> dict[str, Any]:
         # a mask is the current batch's: a copy starts without one
-        return {**self.__dict__, "mask": None, "applies_to": None}
+        return {**self.__dict__, "mask": None, "applies_to": None, "_real": None}
 
     def set(self, mask: Tensor | None, *, layers: Sequence[str] | str | None = None) -> None:
         """Set ``mask`` for the forward calls from now on (arguments, errors: ``BNPPreconditioner.set_token_mask``)."""
@@ -72,7 +73,6 @@ class TokenMasks:
                 raise ValueError(
                     f"`mask` needs the leading dimensions of the layers' inputs, got shape {tuple(mask.shape)}"
                 )
-            mask = mask if mask.dtype == torch.bool else mask != 0
         chosen = None
         if layers is not None:
             patterns = check_patterns("layers", layers)
@@ -81,6 +81,17 @@ class TokenMasks:
             if chosen is None:
                 chosen = self._chosen[tuple(patterns)] = self._layers_matching(patterns)
         self.mask, self.applies_to = mask, chosen
+        self._real = None
+
+    def _real_tokens(self, mask: Tensor) -> Tensor:
+        """``mask`` as a bool tensor (True = real), made at the first forward that reads it after it is set, not
+        when it is set: the forward is inside a captured step, where a graph reads the batch's own mask (the batch
+        hook that sets it runs before the step, and its tensors would be that batch's only)."""
+        if mask.dtype == torch.bool:
+            return mask
+        if self._real is None or self._real[0] is not mask:
+            self._real = (mask, mask != 0)
+        return self._real[1]
 
     @contextmanager
     def applied(self, mask: Tensor | None, *, layers: Sequence[str] | str | None = None) -> Iterator[None]:
@@ -123,7 +134,7 @@ class TokenMasks:
                     f"shape {tuple(mask.shape)} is set: a nested tensor holds no padding (its real rows are used "
                     "without a mask); leave this layer out of the mask with `layers`"
                 )
-            real = layer.kind.token_rows(module, args, kwargs, h, mask)
+            real = layer.kind.token_rows(module, args, kwargs, h, self._real_tokens(mask))
             if real is None:
                 raise ValueError(
                     f"BNP layer {layer.name!r} ({type(module).__name__}): the token mask of shape "

@@ -291,3 +291,64 @@ def test_warmup_steps_must_be_an_int_of_at_least_one(warmup: object) -> None:
     error = ValueError if isinstance(warmup, int) and not isinstance(warmup, bool) else TypeError
     with pytest.raises(error, match=r"`warmup_steps` must be an integer >= 1, got " + repr(warmup).replace(".", r"\.")):
         GraphedSteps(warmup_steps=warmup)  # type: ignore[arg-type]
+
+
+class MaskedTokens(pl.LightningModule):
+    """Per-token Linears on a dict batch whose integer ``attention_mask`` marks the real tokens (Hugging Face's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.hidden, self.out = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        h = self.hidden(torch.relu(self.inp(batch["x"]))).relu()
+        w = batch["attention_mask"].unsqueeze(-1).to(h.dtype)
+        logits = self.out((h * w).sum(1) / w.sum(1).clamp_min(1.0))
+        return nn.functional.cross_entropy(logits, batch["y"])
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def _token_batches(n: int = 12) -> list[dict[str, Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        {
+            "x": torch.randn(8, 5, 6, generator=g) * torch.logspace(-1, 1, 6) + 0.5,
+            "attention_mask": (torch.arange(5).expand(8, 5) < torch.randint(1, 6, (8, 1), generator=g)).long(),
+            "y": torch.randint(0, 3, (8,), generator=g),
+        }
+        for _ in range(n)
+    ]
+
+
+def test_a_graphed_fit_with_an_integer_token_mask_counts_each_batchs_real_tokens(tmp_path: Path) -> None:
+    """The mask the captured forward reads is the one each replay's batch brings (an integer mask is made boolean
+    inside the step, where the graph has it, not in the batch hook before it)."""
+    fits = []
+    for graphed in (False, True):
+        model = MaskedTokens()
+        bnp = BatchNormPreconditioning(verbose=False, token_mask="attention_mask", token_mask_layers=["inp", "hidden"])
+        record = Record()
+        fit = pl.Trainer(
+            default_root_dir=tmp_path / str(graphed),
+            accelerator="cpu",
+            max_steps=12,
+            callbacks=[bnp, record, *([GraphedSteps(warmup_steps=2)] if graphed else [])],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        fit.fit(model, DataLoader(_token_batches(), batch_size=None))
+        fits.append((model, record))
+    (eager, eager_record), (model, record) = fits
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    for name, (mean_acc, var_acc, steps) in eager_record.statistics.items():
+        torch.testing.assert_close(record.statistics[name][0], mean_acc, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(record.statistics[name][1], var_acc, rtol=1e-5, atol=1e-6, msg=name)
+        assert record.statistics[name][2] == steps == 12

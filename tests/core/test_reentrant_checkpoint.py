@@ -273,3 +273,20 @@ def test_the_checkpoints_forward_is_looked_for_in_the_max_depth_frames_above_the
     for levels in (0, deepest, deepest + 1):
         checkpoint(lambda t, k=levels: nested(k, t), x, use_reentrant=True)
     assert [ctx is not None for ctx in found] == [True, True, False]
+
+
+def test_two_checkpointed_forwards_under_two_integer_masks_each_count_their_own_real_tokens() -> None:
+    """An integer mask (Hugging Face's ``attention_mask``) is made boolean when a forward reads it: the recomputation
+    of the first forward, which runs after the second's, reads its own mask, not the second's boolean copy."""
+    net = _mlp()
+    pre = BNPPreconditioner(net, statistics="batch")
+    seen = spy_moments(pre)
+    (x1, mask1), (x2, mask2) = padded(seed=1), padded(lengths=(2, 9, 4, 6), seed=2)
+    outs = []
+    for x, mask in ((x1, mask1), (x2, mask2)):
+        x.requires_grad_()
+        with pre.token_mask(mask.long()):
+            outs.append(checkpoint(net, x, use_reentrant=True).masked_fill(~mask[..., None], 0.0))
+    (outs[0].sum() + outs[1].sum()).backward()  # (recomputes the second forward, then the first)
+    pre.step()
+    check_moments(seen["0"], torch.cat([x1.detach()[mask1], x2.detach()[mask2]]))

@@ -374,16 +374,28 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_setting_a_bool_mask_runs_no_tensor_op_and_an_integer_one_is_compared_with_zero_once() -> None:
-    """The callback sets a mask for every batch: a bool mask is used as given (no copy, no kernel on its device),
-    an integer one (Hugging Face's ``attention_mask``) becomes ``mask != 0`` once."""
-    pre = BNPPreconditioner(nn.Linear(8, 4))
-    _, mask = padded()
-    with _Ops() as ran:
-        pre.set_token_mask(mask)
-    assert ran.ops == []
+def test_setting_a_mask_runs_no_tensor_op_and_an_integer_one_is_compared_with_zero_once_per_set_in_the_forward() -> (
+    None
+):
+    """The callback sets a mask for every batch: setting it runs nothing (no copy, no kernel on its device); an
+    integer one (Hugging Face's ``attention_mask``) becomes ``mask != 0`` at the first forward that reads it after it
+    is set (inside a captured step, where a graph reads the batch's own mask), once for every layer and forward until
+    the next set; a bool one is used as given."""
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    pre = BNPPreconditioner(net)
+    x, mask = padded()
     integer = mask.long()
+    for given in (mask, integer):
+        with _Ops() as ran:
+            pre.set_token_mask(given)
+        assert ran.ops == []
     with _Ops() as ran:
-        pre.set_token_mask(integer)
-    assert ran.ops == ["aten.ne"]
+        net(x)
+        net(x)
+    assert ran.ops.count("aten.ne") == 1
+    integer.zero_()[:, 0] = 1  # the same tensor, set again: compared anew (a batch written into a captured input)
+    pre.set_token_mask(integer)
+    with _Ops() as ran:
+        net(x)
+    assert ran.ops.count("aten.ne") == 1
     pre.set_token_mask(None)
