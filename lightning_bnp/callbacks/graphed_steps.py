@@ -18,7 +18,6 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loops.optimization.closure import AbstractClosure
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
@@ -189,15 +188,13 @@ class GraphedSteps(ArgumentsRepr, Callback):
         epoch: int,
         batch_idx: int,
         optimizer: Any,
-        closure: Optional[Callable[[], Any]],
+        closure: Any,  # Lightning's step closure (its `_result` is what the loop reads after the step)
     ) -> None:
         self.steps += 1
         if self.graph is None and self.steps <= self.warmup_steps:
             with self.runtime.warmup():
                 original_step(epoch, batch_idx, optimizer, closure)
             return
-        if not isinstance(closure, AbstractClosure):
-            raise TypeError(f"GraphedSteps needs Lightning's step closure, got {type(closure).__name__}")
         if self.graph is None:
             self._static, self._static_spec = tree_flatten(self._batch)
             self._batch = None

@@ -1,8 +1,8 @@
 """A ``Trainer`` fit whose steps are replayed from a CUDA graph ends where the eager fit with the callback in
 automatic optimization ends: the same weights and running statistics after 24 steps. Two ways: the
 ``GraphedSteps`` callback in automatic optimization, and manual optimization with ``GraphedTrainingStep`` and the
-callback's preconditioner (the docs' "CUDA graphs" guide). CUDA only (``test_graphed_steps.py`` runs the callback's
-fits on the CPU with the suite's stand-in for CUDA graphs)."""
+callback's preconditioner (the docs' "CUDA graphs" guide). On a CUDA device (skipped without one) and on the CPU
+with the suite's stand-in for CUDA graphs (``tests/recorded_graphs.py``)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,18 @@ from typing_extensions import override
 from lightning_bnp import BatchNormPreconditioning, GraphedSteps
 from lightning_bnp.core import GraphedTrainingStep
 from tests.helpers import make_data
+from tests.recorded_graphs import RecordedGraphs
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
+
+
+@pytest.fixture(params=[CUDA, "cpu"])
+def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "cpu":
+        runtime = RecordedGraphs()
+        monkeypatch.setattr(GraphedTrainingStep, "runtime", runtime)
+        monkeypatch.setattr(GraphedSteps, "runtime", runtime)
+    return str(request.param)
 
 
 class Classifier(pl.LightningModule):
@@ -64,15 +74,16 @@ class RecordStatistics(pl.Callback):
             self.state[name] = (r.mean_acc.clone(), r.var_acc.clone(), r.steps)
 
 
-def _fit(tmp_path: Path, graphed: bool, callback: bool = False) -> tuple[Classifier, dict[str, Any]]:
+def _fit(tmp_path: Path, device: str, graphed: bool, callback: bool = False) -> tuple[Classifier, dict[str, Any]]:
     model, bnp = Classifier(graphed and not callback), BatchNormPreconditioning(verbose=False)
     record = RecordStatistics(bnp)
     graphed_steps = [GraphedSteps()] if callback else []
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
-        accelerator="cuda",
+        accelerator=device,
         devices=1,
         max_steps=24,
+        max_epochs=4,  # (24 steps: a fit that stops counting steps ends anyway)
         callbacks=[bnp, record, *graphed_steps],
         logger=False,
         enable_progress_bar=False,
@@ -86,9 +97,9 @@ def _fit(tmp_path: Path, graphed: bool, callback: bool = False) -> tuple[Classif
 
 
 @pytest.mark.parametrize("callback", [False, True], ids=["manual-GraphedTrainingStep", "automatic-GraphedSteps"])
-def test_a_graphed_fit_ends_where_the_eager_fit_ends(tmp_path: Path, callback: bool) -> None:
-    eager, eager_statistics = _fit(tmp_path / "eager", graphed=False)
-    graphed, graphed_statistics = _fit(tmp_path / "graphed", graphed=True, callback=callback)
+def test_a_graphed_fit_ends_where_the_eager_fit_ends(tmp_path: Path, device: str, callback: bool) -> None:
+    eager, eager_statistics = _fit(tmp_path / "eager", device, graphed=False)
+    graphed, graphed_statistics = _fit(tmp_path / "graphed", device, graphed=True, callback=callback)
     assert callback or (graphed.graphed is not None and graphed.graphed.captured)
     for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)

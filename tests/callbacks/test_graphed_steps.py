@@ -9,6 +9,7 @@ tensors and no Python); ``test_cuda_graph_fit.py`` runs the same fit on a GPU.""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -196,41 +197,70 @@ def _fit_options(
 
 
 @pytest.mark.parametrize(
-    ("options", "trainer", "error", "match"),
+    ("options", "trainer", "message"),
     [
-        ({"manual": True}, {}, ValueError, r"automatic_optimization=False: call lightning_bnp\.core\.GraphedTraining"),
-        ({}, {"precision": "bf16-mixed"}, ValueError, r"precision='bf16-mixed' \(MixedPrecision\).*GradScaler"),
-        ({}, {"accumulate_grad_batches": 2}, ValueError, r"accumulate_grad_batches=2 runs the other micro-batches"),
+        (
+            {"manual": True},
+            {},
+            "GraphedSteps wraps the optimizer steps of automatic optimization, and this LightningModule sets "
+            "automatic_optimization=False: call lightning_bnp.core.GraphedTrainingStep from its training_step instead "
+            "(docs 'CUDA graphs')",
+        ),
+        (
+            {},
+            {"precision": "bf16-mixed"},
+            "GraphedSteps cannot replay steps with precision='bf16-mixed' (MixedPrecision): a GradScaler reads whether "
+            "the gradients are finite back to the host at every step, and autocast's cast cache is not graph-safe. "
+            "Use '32-true' or 'bf16-true'",
+        ),
+        (
+            {},
+            {"accumulate_grad_batches": 2},
+            "GraphedSteps replays whole optimizer steps, and accumulate_grad_batches=2 runs the other micro-batches' "
+            "backward outside them (they re-create the gradient tensors the graph writes): use "
+            "accumulate_grad_batches=1",
+        ),
         (
             {"optimizer": lambda p: torch.optim.Adam(p, capturable=False)},
             {},
-            ValueError,
-            r"`optimizer` \(Adam\) has capturable=False in param group 0",
+            "`optimizer` (Adam) has capturable=False in param group 0: a CUDA graph replays its step only with "
+            "capturable=True (e.g. torch.optim.Adam(..., capturable=True))",
         ),
         (
             {"scheduler": True},
             {},
-            ValueError,
-            r"scheduler StepLR changes the lr of param group 0 of SGD, which reads it as a Python float \(lr=0\.05\)",
+            "GraphedSteps: the learning-rate scheduler StepLR changes the lr of param group 0 of SGD, which reads it "
+            "as a Python float (lr=0.05) that a replay keeps at its captured value: give the optimizer a tensor lr "
+            "(torch.optim.Adam(..., lr=torch.tensor(1e-3), capturable=True))",
         ),
     ],
     ids=["manual", "mixed precision", "accumulation", "not capturable", "scheduler of a float lr"],
 )
 def test_what_a_replay_cannot_follow_is_refused_at_fit_start(
-    tmp_path: Path, options: dict[str, Any], trainer: dict[str, Any], error: type, match: str
+    tmp_path: Path, options: dict[str, Any], trainer: dict[str, Any], message: str
 ) -> None:
-    with pytest.raises(error, match=match):
+    with pytest.raises(ValueError) as raised:
         _fit_options(tmp_path, Options(**options), **trainer)
+    assert str(raised.value) == message
 
 
 def test_without_a_device_of_its_runtime_it_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(GraphedSteps.runtime, "available", lambda: False)
-    with pytest.raises(RuntimeError, match=r"needs a recorded CPU graphs device to capture steps on, and this"):
+    with pytest.raises(RuntimeError) as raised:
         _fit_options(tmp_path, Options())
+    assert str(raised.value) == (
+        "GraphedSteps needs a recorded CPU graphs device to capture steps on, and this machine has none: remove the "
+        "callback to train eagerly"
+    )
     monkeypatch.setattr(GraphedSteps.runtime, "available", lambda: True)
     monkeypatch.setattr(GraphedSteps.runtime, "device_type", "cuda")
-    with pytest.raises(RuntimeError, match=r"one cuda device; this fit runs on SingleDeviceStrategy \(cpu\)"):
+    with pytest.raises(RuntimeError) as raised:
         _fit_options(tmp_path, Options())
+    assert str(raised.value) == (
+        "GraphedSteps captures the steps of one cuda device; this fit runs on SingleDeviceStrategy (cpu): use "
+        "Trainer(accelerator='cuda', devices=1) (a multi-device strategy's collectives are not captured by this "
+        "callback)"
+    )
 
 
 class TensorLrSGD(torch.optim.Optimizer):
@@ -279,9 +309,18 @@ def test_a_batch_of_another_shape_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def test_a_metric_logged_in_the_captured_step_is_refused_and_a_python_value_is_warned_about(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"self\.log\('accuracy', <Metric>\) in the captured step"):
+    with pytest.raises(ValueError) as raised:
         _fit_options(tmp_path, Options(metric=True))
-    with pytest.warns(UserWarning, match=r"self\.log\('batch_idx', 1\.0\) logs a Python value in the captured step"):
+    assert str(raised.value) == (
+        "GraphedSteps: self.log('accuracy', <Metric>) in the captured step: a torchmetrics Metric updates and resets "
+        "its state in Python, which a replay does not run; log the metric from on_train_batch_end with the step's "
+        "outputs, or a tensor computed in the step"
+    )
+    message = (
+        "GraphedSteps: self.log('batch_idx', 1.0) logs a Python value in the captured step; every replay logs that "
+        "same value again (log a tensor to see each step's)"
+    )
+    with pytest.warns(UserWarning, match="^" + re.escape(message) + "$"):
         fit = _fit_options(tmp_path, Options(python_value=True))
     assert fit.callback_metrics["batch_idx"] == 1.0  # (the captured value, logged again by each replay)
 
@@ -337,7 +376,7 @@ def test_a_graphed_fit_with_an_integer_token_mask_counts_each_batchs_real_tokens
             default_root_dir=tmp_path / str(graphed),
             accelerator="cpu",
             max_steps=12,
-            callbacks=[bnp, record, *([GraphedSteps(warmup_steps=2)] if graphed else [])],
+            callbacks=[bnp, record, *([GraphedSteps()] if graphed else [])],  # (the default: 3 warm-up steps)
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -345,6 +384,7 @@ def test_a_graphed_fit_with_an_integer_token_mask_counts_each_batchs_real_tokens
         )
         fit.fit(model, DataLoader(_token_batches(), batch_size=None))
         fits.append((model, record))
+    assert GraphedSteps.runtime.graphs[0].replays == 12 - 3  # type: ignore[attr-defined]
     (eager, eager_record), (model, record) = fits
     for (name, p), q in zip(eager.named_parameters(), model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
@@ -352,3 +392,38 @@ def test_a_graphed_fit_with_an_integer_token_mask_counts_each_batchs_real_tokens
         torch.testing.assert_close(record.statistics[name][0], mean_acc, rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(record.statistics[name][1], var_acc, rtol=1e-5, atol=1e-6, msg=name)
         assert record.statistics[name][2] == steps == 12
+
+
+class OwnStep(Options):
+    """A LightningModule with its own ``optimizer_step`` hook (which the callback captures with the rest), and a
+    ``training_step`` that may skip a batch."""
+
+    def __init__(self, skip: int | None = None) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, int]] = []
+        self.skip = skip
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:  # type: ignore[override]
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == self.skip else loss
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        self.calls.append((epoch, batch_idx))  # (Python: runs at the warm-up steps and the capture only)
+        optimizer.step(closure=optimizer_closure)
+
+
+def test_the_modules_own_optimizer_step_is_called_with_its_arguments_until_the_capture(tmp_path: Path) -> None:
+    model = OwnStep()
+    fit = _fit_options(tmp_path, model, max_steps=10, callbacks=[GraphedSteps(warmup_steps=2)], max_epochs=2)
+    assert fit.global_step == 10
+    assert model.calls == [(0, 0), (0, 1), (0, 2)]  # two warm-up steps and the captured one
+
+
+def test_a_captured_step_that_training_step_skips_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as raised:
+        _fit_options(tmp_path, OwnStep(skip=1))  # (warmup_steps=1: batch 1 is captured)
+    assert str(raised.value) == (
+        "GraphedSteps: the captured step's training_step returned None (a skipped step); every replay would skip it too"
+    )

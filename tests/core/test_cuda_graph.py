@@ -194,3 +194,44 @@ def test_a_non_finite_replayed_step_keeps_the_statistics_and_flush_warnings_name
     with warnings.catch_warnings():
         warnings.simplefilter("error", BNPWarning)
         pre.flush_warnings()
+
+
+def test_by_default_three_steps_warm_up_and_one_is_enough(device: str) -> None:
+    data = _batches("mlp", device, n=5)
+    for warmup, captured_from in ((None, 3), (1, 1)):
+        model, pre, opt, loss_of = _make("mlp", {}, adam=False, device=device)
+        graphed = (
+            GraphedTrainingStep(loss_of, opt, pre)
+            if warmup is None
+            else GraphedTrainingStep(loss_of, opt, pre, warmup_steps=warmup)
+        )
+        for step, batch in enumerate(data):
+            graphed(*batch)
+            assert graphed.captured == (step >= captured_from)
+
+
+def test_a_batch_of_other_shapes_is_refused_by_name(device: str) -> None:
+    (x, y), _ = _batches("mlp", device, n=2)
+    model, pre, opt, loss_of = _make("mlp", {}, adam=False, device=device)
+    graphed = GraphedTrainingStep(loss_of, opt, pre, warmup_steps=1)
+    graphed(x, y)
+    graphed(x, y)
+    with pytest.raises(ValueError) as raised:
+        graphed(x[:10], y[:10])
+    assert str(raised.value) == (
+        "`batch` has shapes [(10, 6), (10,)] but the graph was captured for [(16, 6), (16,)]: a replay takes batches "
+        "of the captured shapes (the last, smaller batch of an epoch: DataLoader(..., drop_last=True))"
+    )
+    with pytest.raises(ValueError, match=r"^`batch` has shapes \[\(16, 6\)\] but the graph was captured for"):
+        graphed(x)
+
+
+def test_only_the_layers_of_the_stepped_optimizer_take_bnps_step(device: str) -> None:
+    """A layer that another optimizer owns (here: none) keeps its statistics (``pre.step(optimizer)``, not all)."""
+    data = _batches("mlp", device, n=6)
+    model, pre, _, loss_of = _make("mlp", {}, adam=False, device=device)
+    opt = torch.optim.SGD(model[2:].parameters(), lr=0.05, momentum=0.9)  # not the first layer
+    graphed = GraphedTrainingStep(loss_of, opt, pre, warmup_steps=2)
+    for batch in data:
+        graphed(*batch)
+    assert pre.layers["0"].running.steps == 0 and pre.layers["2"].running.steps == 6
