@@ -199,7 +199,7 @@ def test_a_non_finite_replayed_step_keeps_the_statistics_and_flush_warnings_name
 def test_by_default_three_steps_warm_up_and_one_is_enough(device: str) -> None:
     data = _batches("mlp", device, n=5)
     for warmup, captured_from in ((None, 3), (1, 1)):
-        model, pre, opt, loss_of = _make("mlp", {}, adam=False, device=device)
+        _, pre, opt, loss_of = _make("mlp", {}, adam=False, device=device)
         graphed = (
             GraphedTrainingStep(loss_of, opt, pre)
             if warmup is None
@@ -212,7 +212,7 @@ def test_by_default_three_steps_warm_up_and_one_is_enough(device: str) -> None:
 
 def test_a_batch_of_other_shapes_is_refused_by_name(device: str) -> None:
     (x, y), _ = _batches("mlp", device, n=2)
-    model, pre, opt, loss_of = _make("mlp", {}, adam=False, device=device)
+    _, pre, opt, loss_of = _make("mlp", {}, adam=False, device=device)
     graphed = GraphedTrainingStep(loss_of, opt, pre, warmup_steps=1)
     graphed(x, y)
     graphed(x, y)
