@@ -79,14 +79,9 @@ class Record(pl.Callback):
             self.statistics[name] = (r.mean_acc.clone(), r.var_acc.clone(), r.steps)
 
 
-def _fit(
-    root: Path, graphed: GraphedSteps | None, max_steps: int = 24, ckpt_path: str | None = None, **trainer: Any
-) -> tuple[Classifier, Record, pl.Trainer]:
-    model, record = Classifier(), Record()
-    callbacks: list[pl.Callback] = [BatchNormPreconditioning(verbose=False), record]
-    if graphed is not None:
-        callbacks.append(graphed)
-    fit = pl.Trainer(
+def _trainer(root: Path, callbacks: list[pl.Callback], max_steps: int, **trainer: Any) -> pl.Trainer:
+    """A quiet CPU Trainer (no logger, progress bar, summary or checkpoints)."""
+    return pl.Trainer(
         default_root_dir=root,
         accelerator="cpu",
         max_steps=max_steps,
@@ -95,9 +90,18 @@ def _fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        gradient_clip_val=0.5,
         **trainer,
     )
+
+
+def _fit(
+    root: Path, graphed: GraphedSteps | None, max_steps: int = 24, ckpt_path: str | None = None, **trainer: Any
+) -> tuple[Classifier, Record, pl.Trainer]:
+    model, record = Classifier(), Record()
+    callbacks: list[pl.Callback] = [BatchNormPreconditioning(verbose=False), record]
+    if graphed is not None:
+        callbacks.append(graphed)
+    fit = _trainer(root, callbacks, max_steps, gradient_clip_val=0.5, **trainer)
     data = DataLoader(make_data(n=96), batch_size=16, shuffle=True, drop_last=True)
     torch.manual_seed(1)
     fit.fit(model, data, DataLoader(make_data(n=32, seed=2), batch_size=16), ckpt_path=ckpt_path)
@@ -181,17 +185,7 @@ def _fit_options(
     tmp_path: Path, model: Options, max_steps: int = 6, callbacks: list[pl.Callback] | None = None, **trainer: Any
 ) -> pl.Trainer:
     """A fit with ``GraphedSteps(warmup_steps=1)`` (or the given callbacks)."""
-    fit = pl.Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        max_steps=max_steps,
-        callbacks=[GraphedSteps(warmup_steps=1)] if callbacks is None else callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        **trainer,
-    )
+    fit = _trainer(tmp_path, [GraphedSteps(warmup_steps=1)] if callbacks is None else callbacks, max_steps, **trainer)
     fit.fit(model, DataLoader(make_data(n=96), batch_size=16, drop_last=True))
     return fit
 
@@ -293,16 +287,7 @@ def test_a_scheduler_of_a_tensor_lr_changes_the_lr_of_every_replay(tmp_path: Pat
 
 
 def test_a_batch_of_another_shape_is_refused_by_name(tmp_path: Path) -> None:
-    fit = pl.Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        max_steps=8,
-        callbacks=[GraphedSteps(warmup_steps=1)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    fit = _trainer(tmp_path, [GraphedSteps(warmup_steps=1)], max_steps=8)
     with pytest.raises(ValueError, match=r"`batch` 2: its tensor 0 is \(10, 6\) torch.float32, the captured step's"):
         fit.fit(Options(), DataLoader(make_data(n=42), batch_size=16))  # (16, 16, 10)
     assert "optimizer_step" not in vars(fit.lightning_module)  # (unwrapped by on_exception)
@@ -372,16 +357,8 @@ def test_a_graphed_fit_with_an_integer_token_mask_counts_each_batchs_real_tokens
         model = MaskedTokens()
         bnp = BatchNormPreconditioning(verbose=False, token_mask="attention_mask", token_mask_layers=["inp", "hidden"])
         record = Record()
-        fit = pl.Trainer(
-            default_root_dir=tmp_path / str(graphed),
-            accelerator="cpu",
-            max_steps=12,
-            callbacks=[bnp, record, *([GraphedSteps()] if graphed else [])],  # (the default: 3 warm-up steps)
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-        )
+        graphed_steps = [GraphedSteps()] if graphed else []  # (the default: 3 warm-up steps)
+        fit = _trainer(tmp_path / str(graphed), [bnp, record, *graphed_steps], max_steps=12)
         fit.fit(model, DataLoader(_token_batches(), batch_size=None))
         fits.append((model, record))
     assert GraphedSteps.runtime.graphs[0].replays == 12 - 3  # type: ignore[attr-defined]
