@@ -14,7 +14,12 @@ that a captured step must obey, so that a step which breaks them fails here as i
 - **no Python runs on replay**: what Python decided at capture (a learning rate read as a float, which layers take
   part) is frozen, and every result tensor of the capture is rewritten in place on replay, at the same address;
 - a tensor that Python drops and replaces after the capture (instead of writing into it) is no longer the one the
-  replay reads or writes, as on a GPU.
+  replay reads or writes, as on a GPU; one that Python gives other memory (``t.data = …``, ``set_``) is refused at
+  the replay (a GPU's graph would go on reading the old address).
+
+Not caught: host reads that do not pass through torch's dispatcher (``.tolist()``, ``.numpy()``), and a tensor made
+outside the capture that Python drops while the graph still reads it (the recording keeps it alive; on a GPU its
+memory would be reused).
 
 Views are not replayed: they share their base's memory, which the replay rewrites.
 """
@@ -45,6 +50,9 @@ HOST_READS = {
     aten.unique_consecutive.default,
 }
 
+#: operations that read back to the host when an index is a bool mask (its true positions) or counts are a tensor
+MASK_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+
 #: in-place operations that change a tensor's shape or strides, not its values: run at capture, not on replay
 METADATA_WRITES = {"resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_"}
 
@@ -60,6 +68,7 @@ class _Op:
     kwargs: dict[str, Any]
     out: Any
     writes: bool  # writes into one of its arguments (at capture: into scratch copies)
+    memory: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # its tensors and their memory at capture
 
 
 def _written_arguments(func: Any) -> list[int | str]:
@@ -69,6 +78,11 @@ def _written_arguments(func: Any) -> list[int | str]:
         for i, a in enumerate(func._schema.arguments)
         if a.alias_info is not None and a.alias_info.is_write
     ]
+
+
+def _memory(*values: Any) -> list[tuple[torch.Tensor, int]]:
+    """Every tensor among ``values`` with the address of its memory."""
+    return [(t, t.untyped_storage().data_ptr()) for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
 
 
 def _is_view(func: Any) -> bool:
@@ -86,6 +100,13 @@ class RecordedGraph:
     def replay(self) -> None:
         with torch.no_grad():
             for op in self.ops:
+                for tensor, address in op.memory:
+                    if tensor.untyped_storage().data_ptr() != address:
+                        raise RuntimeError(
+                            f"a tensor of shape {tuple(tensor.shape)} that the captured step's {op.func} used was "
+                            "given other memory after the capture (`.data = …`, `set_`): a CUDA graph would go on "
+                            "using the old memory"
+                        )
                 result = op.func(*op.args, **op.kwargs)
                 returns = op.func._schema.returns
                 recorded_all, fresh_all = (op.out, result) if len(returns) > 1 else ((op.out,), (result,))
@@ -105,8 +126,14 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in HOST_READS:
+        if func in HOST_READS or (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None):
             raise HostReadInCapture(f"{func} reads a tensor back to the host during the capture of a step")
+        if func in MASK_INDEXING and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_flatten(args[1])[0]
+        ):
+            raise HostReadInCapture(
+                f"{func} with a bool mask as an index reads it back to the host (its true positions)"
+            )
         if func._schema.name.split("::")[-1] in METADATA_WRITES:
             return func(*args, **kwargs)  # (shapes and strides are Python's business: set once, at capture)
         written = _written_arguments(func)
@@ -114,7 +141,7 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if not written:
             out = func(*args, **kwargs)
-            self.graph.ops.append(_Op(func, args, kwargs, out, writes=False))
+            self.graph.ops.append(_Op(func, args, kwargs, out, writes=False, memory=_memory(args, kwargs, out)))
             return out
         # capture writes nothing: the operation writes into scratch copies of its written arguments
         scratch_args, scratch_kwargs = list(args), dict(kwargs)
@@ -136,7 +163,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*scratch_args, **scratch_kwargs)
         # a result that is a written argument is the original, not its scratch copy
         out = tree_map(lambda t: originals.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
-        self.graph.ops.append(_Op(func, args, kwargs, out, writes=True))
+        self.graph.ops.append(_Op(func, args, kwargs, out, writes=True, memory=_memory(args, kwargs, out)))
         return out
 
 

@@ -55,3 +55,24 @@ def test_a_tensor_replaced_after_the_capture_is_not_the_one_the_replay_writes() 
     holder["t"] = torch.zeros(2)  # replaced, not written into
     graph.replay()
     assert torch.equal(holder["t"], torch.zeros(2)) and torch.equal(captured, torch.ones(2))
+
+
+def test_indexing_with_a_bool_mask_in_a_capture_is_refused() -> None:
+    t, mask = torch.arange(4.0), torch.tensor([True, False, True, False])
+    with pytest.raises(HostReadInCapture, match="bool mask as an index"):
+        with RecordedGraphs().capture():
+            t[mask]
+    with pytest.raises(HostReadInCapture, match="bool mask as an index"):
+        with RecordedGraphs().capture():
+            t[mask] = 0.0
+    with RecordedGraphs().capture():
+        t[torch.tensor([0, 2])]  # (integer indices read nothing back)
+
+
+def test_a_tensor_given_other_memory_after_the_capture_is_refused_at_the_replay() -> None:
+    w = torch.zeros(3)
+    with RecordedGraphs().capture() as graph:
+        w.add_(1.0)
+    w.data = torch.zeros(3)
+    with pytest.raises(RuntimeError, match=r"shape \(3,\) that the captured step's aten\.add_\.Tensor used was given"):
+        graph.replay()

@@ -4,11 +4,11 @@ clipping and the optimizer's step, after ``warmup_steps`` eager steps on a side 
 
 How it sits in Lightning's loop. The loop calls the LightningModule's ``optimizer_step`` hook once per step with the
 closure; this callback wraps that hook for the length of the fit. The warm-up steps call it as it is, on a side
-stream; the next one is captured, and from then on each step copies its batch into the captured batch's tensors
-(``on_train_batch_start``), replays the graph, and hands the loop the captured step's output (the loss the replay
-wrote) as the closure's result, so that ``trainer.global_step``, ``on_train_batch_end`` and checkpoints see a step as
-in an eager fit. What ran as Python in the captured step runs no more; ``self.log`` calls made in it are recorded at
-capture and made again after every replay, with the values the replay wrote.
+stream; the next one is captured, and from then on each step copies its batch (as the batch hooks left it) into the
+captured batch's tensors, replays the graph, and hands the loop a copy of the captured step's output (the loss the
+replay wrote) as the closure's result, so that ``trainer.global_step``, ``on_train_batch_end`` and checkpoints see a
+step as in an eager fit. What ran as Python in the captured step runs no more; ``self.log`` calls made in it are
+recorded at capture and made again after every replay, with the values the replay wrote.
 """
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from typing_extensions import override
 
+from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.cuda_graph import check_capturable
 from lightning_bnp.core.graph_runtime import CUDA_GRAPHS, GraphRuntime, ReplayableGraph
@@ -46,20 +49,23 @@ class GraphedSteps(ArgumentsRepr, Callback):
     one launch per step, no Python. Logging, ``trainer.global_step``, ``on_train_batch_end`` and checkpoints work as
     in an eager fit; validation runs eagerly. Batches must keep their shapes (``DataLoader(..., drop_last=True)``).
 
-    What a replay cannot redo is refused by name at fit start: manual optimization (use
+    What a replay cannot redo is refused by name when training starts: manual optimization (use
     :class:`~lightning_bnp.core.GraphedTrainingStep` in the ``training_step``), several devices, mixed precision
-    (``"16-mixed"``, ``"bf16-mixed"``; ``"bf16-true"`` and ``"32-true"`` work), gradient accumulation, an optimizer
-    with ``capturable=False``, and a learning-rate scheduler whose optimizer reads ``lr`` as a Python float (give it
-    a tensor: ``torch.optim.Adam(..., lr=torch.tensor(1e-3), capturable=True)``).
+    (``"16-mixed"``, ``"bf16-mixed"``; ``"bf16-true"`` and ``"32-true"`` work), gradient accumulation, a
+    ``training_step`` that takes ``dataloader_iter``, an optimizer with ``capturable=False``, a learning-rate
+    scheduler whose optimizer reads ``lr`` as a Python float (give it a tensor:
+    ``torch.optim.Adam(..., lr=torch.tensor(1e-3), capturable=True)``) or that cycles the momentum; and, at the
+    capture, a token mask that ``BatchNormPreconditioning`` made from the batch before the step.
 
     Args:
         warmup_steps: eager steps before the capture (≥ 1: optimizers create their state, BNP plans its step).
 
     Raises:
-        TypeError, ValueError: ``warmup_steps`` not an int ≥ 1; (at fit start) a setting above that a replay
-            cannot follow; (during the fit) a batch whose structure, shapes or dtypes are not the captured batch's,
-            a ``training_step`` that returned ``None`` in the captured step, or a ``torchmetrics.Metric`` logged in it.
-        RuntimeError: (at fit start) no CUDA device, or the model is not on it.
+        TypeError, ValueError: ``warmup_steps`` not an int ≥ 1; (when training starts) a setting above that a
+            replay cannot follow; (during the fit) a batch whose structure, shapes or dtypes are not the captured
+            batch's, a ``training_step`` that returned ``None`` in the captured step, a ``torchmetrics.Metric``
+            logged in it, or a token mask made before it.
+        RuntimeError: (when training starts) no CUDA device, or the model is not on it.
 
     Example::
 
@@ -81,6 +87,7 @@ class GraphedSteps(ArgumentsRepr, Callback):
         self._static_spec: Any = None
         self._result: Any = None  # the captured step's closure result (its tensors are rewritten by each replay)
         self._logs: list[tuple[Optional[str], str, Any, dict[str, Any]]] = []
+        self._grads: list[tuple[Tensor, Tensor]] = []  # the gradients the graph writes, by parameter
         self._module: pl.LightningModule | None = None
 
     @property
@@ -90,7 +97,8 @@ class GraphedSteps(ArgumentsRepr, Callback):
 
     # ------------------------------------------------------------------ checks and wrapping
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # here, not at fit start: a resumed fit's optimizer state (its param groups' lr) is restored in between
         self._reset()
         self._check(trainer, pl_module)
         original_step, original_log = pl_module.optimizer_step, pl_module.log
@@ -123,6 +131,12 @@ class GraphedSteps(ArgumentsRepr, Callback):
                 "automatic_optimization=False: call lightning_bnp.core.GraphedTrainingStep from its training_step "
                 "instead (docs 'CUDA graphs')"
             )
+        if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+            raise ValueError(
+                "GraphedSteps cannot replay a training_step that takes `dataloader_iter`: it draws its batch inside "
+                "the step, which a replay does not run (every replay would train on the captured batch); take "
+                "`batch` instead"
+            )
         precision = trainer.precision_plugin
         if type(precision) not in GRAPHABLE_PRECISIONS:
             raise ValueError(
@@ -139,6 +153,12 @@ class GraphedSteps(ArgumentsRepr, Callback):
         for optimizer in trainer.optimizers:
             check_capturable(unwrap_optimizer(optimizer))
         for config in trainer.lr_scheduler_configs:
+            if getattr(config.scheduler, "cycle_momentum", False):
+                raise ValueError(
+                    f"GraphedSteps: the learning-rate scheduler {type(config.scheduler).__name__} cycles the momentum "
+                    "(cycle_momentum=True), a Python float of the optimizer that a replay keeps at its captured "
+                    "value: pass cycle_momentum=False"
+                )
             inner = unwrap_optimizer(config.scheduler.optimizer)
             for i, group in enumerate(inner.param_groups):
                 if not isinstance(group["lr"], Tensor):
@@ -154,10 +174,12 @@ class GraphedSteps(ArgumentsRepr, Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.graph is None:
-            self._batch = batch  # (the captured step reads this batch's tensors: they become the graph's inputs)
-            return
-        leaves, spec = tree_flatten(batch)
+        # (read at the step: the hooks that run after this one, the LightningModule's among them, may change it)
+        self._batch = batch
+
+    def _copy_batch(self, batch_idx: int) -> None:
+        """This step's batch into the captured batch's tensors (the graph's inputs)."""
+        leaves, spec = tree_flatten(self._batch)
         if spec != self._static_spec:
             raise ValueError(
                 f"`batch` {batch_idx} is not built as the captured batch was: {spec} != {self._static_spec}"
@@ -177,7 +199,23 @@ class GraphedSteps(ArgumentsRepr, Callback):
                     f"{static.dtype}: a replay takes batches of the captured shapes (the last, smaller batch of an "
                     "epoch: DataLoader(..., drop_last=True))"
                 )
-            static.copy_(leaf)
+            if leaf is not static:
+                static.copy_(leaf)
+
+    def _check_token_masks(self, trainer: pl.Trainer) -> None:
+        """The token mask BNP's callback set for this batch must be one of the batch's tensors (which each step
+        copies into the graph's inputs), not one made from it in a hook before the step."""
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if not isinstance(callback, BatchNormPreconditioning) or callback.preconditioner is None:
+                continue
+            mask = callback.preconditioner.current_token_mask
+            if mask is not None and not any(mask is leaf for leaf in self._static):
+                raise ValueError(
+                    f"GraphedSteps: BatchNormPreconditioning(token_mask={callback.token_mask!r}) gave a mask that is "
+                    "not one of the batch's tensors (a function of the batch made it before the step): every replay "
+                    "would read the captured batch's. Give token_mask the batch's key or attribute, or a function "
+                    "that returns one of its tensors (an integer mask is fine)"
+                )
 
     # ------------------------------------------------------------------ the step
     def _optimizer_step(
@@ -197,7 +235,7 @@ class GraphedSteps(ArgumentsRepr, Callback):
             return
         if self.graph is None:
             self._static, self._static_spec = tree_flatten(self._batch)
-            self._batch = None
+            self._check_token_masks(pl_module.trainer)
             pl_module.log = self._recorded_log(pl_module)  # type: ignore[method-assign]
             try:
                 with self.runtime.capture() as graph:
@@ -211,8 +249,14 @@ class GraphedSteps(ArgumentsRepr, Callback):
                     "would skip it too"
                 )
             self.graph = graph
-        closure._result = self._result
+            self._grads = [(p, p.grad) for p in pl_module.parameters() if p.grad is not None]
+        else:
+            self._copy_batch(batch_idx)
+        self._batch = None
         self.graph.replay()
+        # the loop's copy of the step's output: the captured tensors are rewritten by the next replay
+        copied = tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, self._result.extra)
+        closure._result = ClosureResult(self._result.closure_loss, extra=copied)
         for fx, name, value, kwargs in self._logs:  # the captured step's logging, with this replay's values
             before, pl_module._current_fx_name = pl_module._current_fx_name, fx
             try:
@@ -239,6 +283,12 @@ class GraphedSteps(ArgumentsRepr, Callback):
             self._logs.append((pl_module._current_fx_name, name, value, kwargs))
 
         return log
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning sets the gradients to None before validation; the graph still writes its own: show them again
+        for p, grad in self._grads:
+            p.grad = grad
 
     # ------------------------------------------------------------------ the end of a fit
     @override

@@ -281,6 +281,12 @@ class BNPPreconditioner(ArgumentsRepr):
         return self._step.pools
 
     @property
+    def current_token_mask(self) -> Tensor | None:
+        """The token mask the next forward passes read, as given to :meth:`set_token_mask` or :meth:`token_mask`
+        (``None``: none)."""
+        return self._masks.mask
+
+    @property
     def step_compiled(self) -> bool:
         """Whether :meth:`compile_step` has been called: the step's tensor work runs compiled."""
         return self._step.compiled

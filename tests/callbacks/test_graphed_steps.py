@@ -31,11 +31,17 @@ def _recorded_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, optimizer: str = "sgd") -> None:
+    """An MLP whose own ``on_train_batch_start`` augments the batch (it replaces the batch's input tensor: hooks
+    after the callback's may change the batch that the step reads)."""
+
+    def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.network = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
-        self.optimizer = optimizer
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        batch[0] = batch[0] * 0.5 + 0.25
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -56,19 +62,26 @@ class Classifier(pl.LightningModule):
 
 
 class Record(pl.Callback):
-    """Per step: the loss the loop hands ``on_train_batch_end`` and the logged values; at the end, BNP's state."""
+    """Per step: the loss the loop hands ``on_train_batch_end`` (kept as the tensor it is), the logged values and
+    whether every parameter shows its gradient; at the end, BNP's state."""
 
     def __init__(self) -> None:
-        self.losses: list[float] = []
+        self.loss_tensors: list[Tensor] = []
         self.logged: list[dict[str, float]] = []
+        self.grads_shown: list[bool] = []
         self.statistics: dict[str, tuple[Tensor, Tensor, int]] = {}
+
+    @property
+    def losses(self) -> list[float]:
+        return [float(loss) for loss in self.loss_tensors]
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.losses.append(float(outputs["loss"]))
+        self.loss_tensors.append(outputs["loss"])  # (read at the end: a later step must not rewrite it)
         self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self.grads_shown.append(all(p.grad is not None for p in pl_module.parameters()))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -119,6 +132,7 @@ def _assert_same_fit(got: tuple[Classifier, Record, pl.Trainer], want: tuple[Cla
         torch.testing.assert_close(record.statistics[name][1], var_acc, rtol=1e-5, atol=1e-6, msg=name)
         assert record.statistics[name][2] == steps
     assert record.losses == pytest.approx(eager_record.losses, rel=1e-5)
+    assert record.grads_shown == eager_record.grads_shown  # (Lightning drops them before each validation)
     assert [sorted(d) for d in record.logged] == [sorted(d) for d in eager_record.logged]
     for step, (d, e) in enumerate(zip(record.logged, eager_record.logged)):
         assert d == pytest.approx(e, rel=1e-5), f"step {step}"
@@ -151,6 +165,22 @@ def test_a_graphed_fit_resumed_from_a_checkpoint_ends_where_the_eager_fit_resume
     assert all(steps == 20 for _, _, steps in graphed[1].statistics.values())  # (BNP's step count carried over)
 
 
+class TensorLrSGD(torch.optim.Optimizer):
+    """Plain SGD that reads its lr as a tensor in its step (as Adam's capturable=True step does on CUDA)."""
+
+    def __init__(self, params: Any, lr: Tensor | float, momentum: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})  # (momentum: read by schedulers only)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None if closure is None else closure()  # (Lightning's closure: forward and backward)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.grad)
+        return loss
+
+
 class Options(Classifier):
     """The classifier with another optimizer, a scheduler, manual optimization or a logged Metric or float."""
 
@@ -159,16 +189,16 @@ class Options(Classifier):
         self.options = options
         self.automatic_optimization = not options.get("manual", False)
         if options.get("metric"):
-            from torchmetrics.classification import MulticlassAccuracy
+            from torchmetrics import MeanSquaredError  # (its update reads nothing back: MulticlassAccuracy's does)
 
-            self.accuracy = MulticlassAccuracy(num_classes=3)
+            self.error = MeanSquaredError()
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = super().training_step(batch, batch_idx)
         if self.options.get("metric"):
-            self.accuracy(self.network(batch[0]), batch[1])
-            self.log("accuracy", self.accuracy)
+            self.error(self.network(batch[0])[:, 0], batch[1].float())
+            self.log("error", self.error)
         if self.options.get("python_value"):
             self.log("batch_idx", float(batch_idx))
         return loss
@@ -177,7 +207,9 @@ class Options(Classifier):
     def configure_optimizers(self) -> Any:
         opt = self.options.get("optimizer", lambda p: torch.optim.SGD(p, lr=0.05))(self.parameters())
         if "scheduler" in self.options:
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2)}
+            make = self.options["scheduler"]
+            scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2) if make is True else make(opt)
+            return {"optimizer": opt, "lr_scheduler": scheduler}
         return opt
 
 
@@ -227,8 +259,24 @@ def _fit_options(
             "as a Python float (lr=0.05) that a replay keeps at its captured value: give the optimizer a tensor lr "
             "(torch.optim.Adam(..., lr=torch.tensor(1e-3), capturable=True))",
         ),
+        (
+            {
+                "optimizer": lambda p: TensorLrSGD(p, lr=torch.tensor(0.05), momentum=0.9),
+                "scheduler": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=40),
+            },
+            {},
+            "GraphedSteps: the learning-rate scheduler OneCycleLR cycles the momentum (cycle_momentum=True), a Python "
+            "float of the optimizer that a replay keeps at its captured value: pass cycle_momentum=False",
+        ),
     ],
-    ids=["manual", "mixed precision", "accumulation", "not capturable", "scheduler of a float lr"],
+    ids=[
+        "manual",
+        "mixed precision",
+        "accumulation",
+        "not capturable",
+        "scheduler of a float lr",
+        "scheduler of the momentum",
+    ],
 )
 def test_what_a_replay_cannot_follow_is_refused_at_fit_start(
     tmp_path: Path, options: dict[str, Any], trainer: dict[str, Any], message: str
@@ -257,22 +305,6 @@ def test_without_a_device_of_its_runtime_it_says_so(tmp_path: Path, monkeypatch:
     )
 
 
-class TensorLrSGD(torch.optim.Optimizer):
-    """Plain SGD that reads its lr as a tensor in its step (as Adam's capturable=True step does on CUDA)."""
-
-    def __init__(self, params: Any, lr: Tensor) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None if closure is None else closure()  # (Lightning's closure: forward and backward)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.sub_(group["lr"] * p.grad)
-        return loss
-
-
 def test_a_scheduler_of_a_tensor_lr_changes_the_lr_of_every_replay(tmp_path: Path) -> None:
     """StepLR halves the lr every 2 epochs: it fills the tensor the captured step reads."""
     weights = []
@@ -297,7 +329,7 @@ def test_a_metric_logged_in_the_captured_step_is_refused_and_a_python_value_is_w
     with pytest.raises(ValueError) as raised:
         _fit_options(tmp_path, Options(metric=True))
     assert str(raised.value) == (
-        "GraphedSteps: self.log('accuracy', <Metric>) in the captured step: a torchmetrics Metric updates and resets "
+        "GraphedSteps: self.log('error', <Metric>) in the captured step: a torchmetrics Metric updates and resets "
         "its state in Python, which a replay does not run; log the metric from on_train_batch_end with the step's "
         "outputs, or a tensor computed in the step"
     )
@@ -403,4 +435,55 @@ def test_a_captured_step_that_training_step_skips_is_refused(tmp_path: Path) -> 
         _fit_options(tmp_path, OwnStep(skip=1))  # (warmup_steps=1: batch 1 is captured)
     assert str(raised.value) == (
         "GraphedSteps: the captured step's training_step returned None (a skipped step); every replay would skip it too"
+    )
+
+
+def test_a_checkpoint_that_gives_the_optimizer_a_float_lr_is_refused_when_a_scheduler_changes_it(
+    tmp_path: Path,
+) -> None:
+    """Checked when training starts, after the checkpoint's param groups replaced the optimizer's tensor lr."""
+    first = Options(scheduler=True, optimizer=lambda p: TensorLrSGD(p, lr=0.5))
+    fit = _fit_options(tmp_path / "first", first, max_steps=4, callbacks=[])
+    fit.save_checkpoint(tmp_path / "float_lr.ckpt")
+    resumed = Options(scheduler=True, optimizer=lambda p: TensorLrSGD(p, lr=torch.tensor(0.5)))
+    with pytest.raises(ValueError, match=r"changes the lr of param group 0 of TensorLrSGD, which reads it as a Python"):
+        _trainer(tmp_path / "resumed", [GraphedSteps()], max_steps=8).fit(
+            resumed, DataLoader(make_data(n=96), batch_size=16, drop_last=True), ckpt_path=tmp_path / "float_lr.ckpt"
+        )
+
+
+def test_a_token_mask_made_from_the_batch_before_the_step_is_refused(tmp_path: Path) -> None:
+    bnp = BatchNormPreconditioning(
+        verbose=False, token_mask=lambda batch: batch["attention_mask"] != 0, token_mask_layers=["inp", "hidden"]
+    )
+    with pytest.raises(ValueError) as raised:
+        _trainer(tmp_path, [bnp, GraphedSteps(warmup_steps=1)], max_steps=4).fit(
+            MaskedTokens(), DataLoader(_token_batches(), batch_size=None)
+        )
+    assert str(raised.value).startswith(
+        "GraphedSteps: BatchNormPreconditioning(token_mask=<function test_a_token_mask_made_from_the_batch_before_the_"
+        "step_is_refused.<locals>.<lambda> at "
+    )
+    assert str(raised.value).endswith(
+        ">) gave a mask that is not one of the batch's tensors (a function of the batch made it before the step): "
+        "every replay would read the captured batch's. Give token_mask the batch's key or attribute, or a function "
+        "that returns one of its tensors (an integer mask is fine)"
+    )
+
+
+class DrawsItsBatch(Classifier):
+    @override
+    def training_step(self, dataloader_iter: Any) -> Tensor:  # type: ignore[override]
+        x, y = next(dataloader_iter)[0]
+        return nn.functional.cross_entropy(self.network(x), y)
+
+
+def test_a_training_step_that_draws_its_batch_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as raised:
+        _trainer(tmp_path, [GraphedSteps()], max_steps=4).fit(
+            DrawsItsBatch(), DataLoader(make_data(n=96), batch_size=16, drop_last=True)
+        )
+    assert str(raised.value) == (
+        "GraphedSteps cannot replay a training_step that takes `dataloader_iter`: it draws its batch inside the step, "
+        "which a replay does not run (every replay would train on the captured batch); take `batch` instead"
     )
