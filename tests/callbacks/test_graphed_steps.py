@@ -457,7 +457,7 @@ def test_a_token_mask_made_from_the_batch_before_the_step_is_refused(tmp_path: P
         verbose=False, token_mask=lambda batch: batch["attention_mask"] != 0, token_mask_layers=["inp", "hidden"]
     )
     with pytest.raises(ValueError) as raised:
-        _trainer(tmp_path, [bnp, GraphedSteps(warmup_steps=1)], max_steps=4).fit(
+        _trainer(tmp_path, [Record(), bnp, GraphedSteps(warmup_steps=1)], max_steps=4).fit(  # (BNP not first)
             MaskedTokens(), DataLoader(_token_batches(), batch_size=None)
         )
     assert str(raised.value).startswith(
@@ -487,3 +487,105 @@ def test_a_training_step_that_draws_its_batch_is_refused(tmp_path: Path) -> None
         "GraphedSteps cannot replay a training_step that takes `dataloader_iter`: it draws its batch inside the step, "
         "which a replay does not run (every replay would train on the captured batch); take `batch` instead"
     )
+
+
+class Tagged(pl.LightningModule):
+    """A dict batch with a value that is not a tensor ahead of its tensors, and a step output with an extra tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.network = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+        logits = self.network(batch["x"])
+        return {"loss": nn.functional.cross_entropy(logits, batch["y"]), "logits_mean": logits.mean()}
+
+    @override
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class KeepOutputs(pl.Callback):
+    def __init__(self) -> None:
+        self.outputs: list[dict[str, Tensor]] = []
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.outputs.append(outputs)  # (the tensors themselves, read after the fit)
+
+
+def _tagged_batches(n: int = 10, tags: tuple[str, ...] = ("digits",)) -> list[dict[str, Any]]:
+    data = make_data(n=8 * n)
+    return [
+        {
+            "tag": tags[min(i, len(tags) - 1)],
+            "x": data.tensors[0][8 * i : 8 * i + 8],
+            "y": data.tensors[1][8 * i : 8 * i + 8],
+        }
+        for i in range(n)
+    ]
+
+
+def test_a_dict_batch_with_a_value_that_is_not_a_tensor_and_extra_outputs_replays_as_eager(tmp_path: Path) -> None:
+    runs = []
+    for graphed in (False, True):
+        model, keep = Tagged(), KeepOutputs()
+        callbacks: list[pl.Callback] = [keep, *([GraphedSteps(warmup_steps=2)] if graphed else [])]
+        _trainer(tmp_path / str(graphed), callbacks, max_steps=10).fit(
+            model, DataLoader(_tagged_batches(), batch_size=None)
+        )
+        runs.append((model, [{k: float(v) for k, v in out.items()} for out in keep.outputs]))
+    (eager, eager_outputs), (model, outputs) = runs
+    assert len(outputs) == 10 and [sorted(o) for o in outputs] == [["logits_mean", "loss"]] * 10
+    for got, want in zip(outputs, eager_outputs):
+        assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("batches", "message"),
+    [
+        (
+            _tagged_batches(tags=("digits", "digits", "digits", "letters")),
+            "`batch` 3: its leaf 0 is 'letters', the captured step's was 'digits' (a value that is not a tensor is "
+            "frozen into the graph)",
+        ),
+        (
+            [*_tagged_batches(n=3), {"tag": "digits", "x": _tagged_batches()[0]["x"], "y": None}],
+            "`batch` 3: its tensor 2 is None, the captured step's was (8,) torch.int64: a replay takes batches of the "
+            "captured shapes (the last, smaller batch of an epoch: DataLoader(..., drop_last=True))",
+        ),
+    ],
+    ids=["another value", "no tensor"],
+)
+def test_a_batch_unlike_the_captured_one_is_refused_by_name(tmp_path: Path, batches: list, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        _trainer(tmp_path, [GraphedSteps(warmup_steps=1)], max_steps=6).fit(
+            Tagged(), DataLoader(batches, batch_size=None)
+        )
+    assert str(raised.value) == message
+
+
+def test_a_batch_built_otherwise_is_refused_by_name(tmp_path: Path) -> None:
+    batches = [*_tagged_batches(n=3), {"x": _tagged_batches()[0]["x"], "y": _tagged_batches()[0]["y"]}]
+    with pytest.raises(ValueError, match=r"^`batch` 3 is not built as the captured batch was: TreeSpec\(dict"):
+        _trainer(tmp_path, [GraphedSteps(warmup_steps=1)], max_steps=6).fit(
+            Tagged(), DataLoader(batches, batch_size=None)
+        )
+
+
+class TakesAnyArguments(Classifier):
+    @override
+    def training_step(self, *args: Any) -> Tensor:  # type: ignore[override]
+        return super().training_step(*args)
+
+
+def test_a_training_step_of_any_arguments_is_not_taken_for_one_that_draws_its_batch(tmp_path: Path) -> None:
+    fit = _trainer(tmp_path, [GraphedSteps(warmup_steps=1)], max_steps=4)
+    fit.fit(TakesAnyArguments(), DataLoader(make_data(n=96), batch_size=16, drop_last=True))
+    assert fit.global_step == 4
