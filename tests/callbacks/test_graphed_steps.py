@@ -498,9 +498,10 @@ class Tagged(pl.LightningModule):
         self.network = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
 
     @override
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         logits = self.network(batch["x"])
-        return {"loss": nn.functional.cross_entropy(logits, batch["y"]), "logits_mean": logits.mean()}
+        loss = nn.functional.cross_entropy(logits, batch["y"])
+        return {"loss": loss, "logits_mean": logits.mean(), "tag": batch["tag"]}
 
     @override
     def configure_optimizers(self) -> Any:
@@ -538,10 +539,11 @@ def test_a_dict_batch_with_a_value_that_is_not_a_tensor_and_extra_outputs_replay
         _trainer(tmp_path / str(graphed), callbacks, max_steps=10).fit(
             model, DataLoader(_tagged_batches(), batch_size=None)
         )
-        runs.append((model, [{k: float(v) for k, v in out.items()} for out in keep.outputs]))
+        runs.append((model, [{k: v if isinstance(v, str) else float(v) for k, v in o.items()} for o in keep.outputs]))
     (eager, eager_outputs), (model, outputs) = runs
-    assert len(outputs) == 10 and [sorted(o) for o in outputs] == [["logits_mean", "loss"]] * 10
+    assert len(outputs) == 10 and [sorted(o) for o in outputs] == [["logits_mean", "loss", "tag"]] * 10
     for got, want in zip(outputs, eager_outputs):
+        assert got.pop("tag") == want.pop("tag") == "digits"
         assert got == pytest.approx(want, rel=1e-5)
     for p, q in zip(eager.parameters(), model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
@@ -556,9 +558,9 @@ def test_a_dict_batch_with_a_value_that_is_not_a_tensor_and_extra_outputs_replay
             "frozen into the graph)",
         ),
         (
-            [*_tagged_batches(n=3), {"tag": "digits", "x": _tagged_batches()[0]["x"], "y": None}],
-            "`batch` 3: its tensor 2 is None, the captured step's was (8,) torch.int64: a replay takes batches of the "
-            "captured shapes (the last, smaller batch of an epoch: DataLoader(..., drop_last=True))",
+            [*_tagged_batches(n=3), {"tag": "digits", "x": _tagged_batches()[0]["x"], "y": "none"}],
+            "`batch` 3: its tensor 2 is 'none', the captured step's was (8,) torch.int64: a replay takes batches of "
+            "the captured shapes (the last, smaller batch of an epoch: DataLoader(..., drop_last=True))",
         ),
     ],
     ids=["another value", "no tensor"],
