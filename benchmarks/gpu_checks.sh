@@ -2,7 +2,7 @@
 # The checks that need a GPU, as one command for a lent GPU machine (python3 there holds torch, lightning, pytest):
 # the CUDA tests (CUDA graphs, a model moved to the GPU, the docs' CUDA snippets), BNP under
 # torch.compile(mode="reduce-overhead"), and the cost table eager and graphed. Everything goes to $OUT (or benchmarks/out).
-# Run: [PY=.venv/bin/python] bash benchmarks/gpu_checks.sh [tests|compile|table|compiled-table|all]
+# Run: [PY=.venv/bin/python] bash benchmarks/gpu_checks.sh [tests|compile|table|compiled-table|trainer|all]
 set -u
 PY=${PY:-python3}  # the Python that holds torch (PY=.venv/bin/python in a clone of this repository)
 OUT=${OUT:-benchmarks/out}
@@ -27,4 +27,9 @@ if [[ $what == compiled-table || $what == all ]]; then
   timeout 170 $PY -m benchmarks.overhead --device cuda --rows fc,resnet20 --batches 60,128 --modes compiled+graphed \
     --repeats 7 --tag _compiled_graphed 2>&1 | tee "$OUT/overhead_compiled.log" | grep -v "^USDT\|perf_hints" | tail -25
   cp benchmarks/out/overhead_cuda_compiled_graphed.md "$OUT/" 2>/dev/null
+fi
+if [[ $what == trainer || $what == all ]]; then  # a plain Trainer.fit, eager and with the GraphedSteps callback
+  timeout 200 $PY -m benchmarks.overhead --device cuda --rows fc,resnet20 --batches 60,128 --modes eager,graphed \
+    --loops lightning --repeats 5 --tag _trainer 2>&1 | tee "$OUT/overhead_trainer.log" | grep -v "^USDT" | tail -25
+  cp benchmarks/out/overhead_cuda_trainer.md "$OUT/" 2>/dev/null
 fi

@@ -13,8 +13,9 @@ the order rotated each repeat, so that load from other processes lands on all al
 step is reported and every ratio compares entries of the same mode, precision and loop:
 
 * mode ``eager``, ``compiled`` (``torch.compile(model)`` after BNP registered its hooks, and BNP's step compiled)
-  ``graphed`` (CUDA only: the whole step captured in a CUDA graph and replayed, ``GraphedTrainingStep``) or
-  ``compiled+graphed`` (both: the compiled network and step, captured);
+  ``graphed`` (CUDA only: the whole step captured in a CUDA graph and replayed, ``GraphedTrainingStep`` in the
+  plain loop, the ``GraphedSteps`` callback in the Lightning loop) or ``compiled+graphed`` (both: the compiled
+  network and step, captured; plain loop only);
 * precision ``fp32`` or ``bf16`` (``torch.autocast``);
 * loop ``plain`` (zero_grad, forward, backward, ``pre.step()``, SGD step) or ``lightning`` (the same
   network in a LightningModule with the ``BatchNormPreconditioning`` callback, timed from batch start to
@@ -47,7 +48,7 @@ from torch import Tensor, nn
 from benchmarks.op_count import added_cost
 from example_projects.models import cifar_resnet, cnn5, fc_network
 from example_projects.transformers import VOCAB, CharLM, ViT
-from lightning_bnp import BatchNormPreconditioning
+from lightning_bnp import BatchNormPreconditioning, GraphedSteps
 from lightning_bnp.core import BNPPreconditioner, BNPWarning, GraphedTrainingStep
 
 OUT = Path(__file__).parent / "out"
@@ -210,7 +211,8 @@ def plain_sampler(step: Step, device: torch.device) -> Sampler:
 
 def lightning_sampler(row: Row, batch: int, key: Key, device: torch.device) -> Sampler:
     """A fresh ``Trainer.fit`` of n steps per sample; the median time from batch start to batch end (Trainer
-    start-up is not counted). BNP is the ``BatchNormPreconditioning`` callback."""
+    start-up is not counted). BNP is the ``BatchNormPreconditioning`` callback; mode ``graphed`` adds the
+    ``GraphedSteps`` callback (its warm-up steps and capture are among the n)."""
     import lightning.pytorch as pl
 
     from example_projects.classifier import Classifier
@@ -231,6 +233,8 @@ def lightning_sampler(row: Row, batch: int, key: Key, device: torch.device) -> S
         callbacks: list[pl.Callback] = [Timer()]
         if key.variant == "BNP":
             callbacks.append(BatchNormPreconditioning())
+        if key.mode == "graphed":
+            callbacks.append(GraphedSteps())
         trainer = pl.Trainer(
             max_steps=n,
             accelerator=device.type,
@@ -429,6 +433,9 @@ def main() -> None:
                             key = Key(row.key, batch, variant, mode, precision, loop)
                             if loop == "lightning" and row.tokens:
                                 print(f"{row.key}: no Lightning loop (per-token loss), plain loop only")
+                                continue
+                            if loop == "lightning" and mode == "compiled+graphed":
+                                print("compiled+graphed: plain loop only")
                                 continue
                             if loop == "lightning":
                                 samplers[key] = lightning_sampler(row, batch, key, device)
