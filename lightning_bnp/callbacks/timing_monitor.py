@@ -51,6 +51,7 @@ from typing_extensions import override
 from lightning_bnp.callbacks._logging import chart, declare_layout, log_metrics
 from lightning_bnp.callbacks.bnp import BatchNormPreconditioning
 from lightning_bnp.callbacks.condition_monitor import ConditionNumberMonitor
+from lightning_bnp.callbacks.graphed_steps import GraphedSteps
 from lightning_bnp.core.arguments_repr import ArgumentsRepr
 from lightning_bnp.core.copies import CopySafeHook, register_forward_hook
 from lightning_bnp.core.preconditioner import BNPPreconditioner
@@ -209,6 +210,7 @@ class TimingMonitor(ArgumentsRepr, Callback):
         self._steps = 0
         self._samples = 0
         self._step_at_start = -1
+        self._warned_replayed = False  # (once per monitor: the steps of a GraphedSteps fit are not split)
 
     def __getstate__(self) -> dict[str, Any]:
         # pickle / deepcopy: timing in flight (CUDA events, hook handles, the Trainer's profiler) stays behind
@@ -368,14 +370,28 @@ class TimingMonitor(ArgumentsRepr, Callback):
         conditioning_s = totals.pop("weight_conditioning", 0.0) / sampled
         metrics = {f"timing/{key}_ms": 1e3 * value / steps for key, value in totals.items()}
         metrics["timing/step_ms"] = 1e3 * step_s / steps
-        if self._managed:
+        # replayed steps (GraphedSteps) run BNP and the parametrizations inside the graph: no part of them is timed
+        replayed = any(isinstance(c, GraphedSteps) and c.captured for c in trainer.callbacks)  # type: ignore[attr-defined]
+        if replayed:
+            metrics.pop("timing/bnp_transform_ms", None)
+            self._warn_replayed()
+        if self._managed and not replayed:
             metrics.setdefault("timing/bnp_transform_ms", 0.0)
             metrics["timing/bnp_statistics_ms"] = 1e3 * statistics_s
             bnp_ms = metrics["timing/bnp_transform_ms"] + metrics["timing/bnp_statistics_ms"]
             metrics["timing/bnp_ms"] = bnp_ms
             metrics["timing/bnp_share"] = bnp_ms / metrics["timing/step_ms"] if step_s > 0 else 0.0
-        if self._parametrizations:
+        if self._parametrizations and not replayed:
             metrics["timing/weight_conditioning_ms"] = 1e3 * conditioning_s
         if self._count_samples and samples > 0 and step_s > 0:
             metrics["timing/samples_per_sec"] = samples / step_s
         log_metrics(trainer, metrics, self._step_at_start)
+
+    def _warn_replayed(self) -> None:
+        if not self._warned_replayed:
+            self._warned_replayed = True
+            rank_zero_warn(
+                "TimingMonitor: the steps are replayed from a CUDA graph (GraphedSteps), which runs BNP's statistics "
+                "and transform and the weight parametrizations inside the graph, where they cannot be timed apart: "
+                "only timing/step_ms, timing/samples_per_sec and the callbacks' hooks outside the step are logged"
+            )

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_bnp import BatchNormPreconditioning, GraphedSteps
+from lightning_bnp import BatchNormPreconditioning, GraphedSteps, WeightConditioning, ZSpaceRegularization
 from tests.helpers import make_data
 from tests.recorded_graphs import RecordedGraph, RecordedGraphs
 
@@ -93,17 +93,16 @@ class Record(pl.Callback):
 
 
 def _trainer(root: Path, callbacks: list[pl.Callback], max_steps: int, **trainer: Any) -> pl.Trainer:
-    """A quiet CPU Trainer (no logger, progress bar, summary or checkpoints)."""
+    """A quiet CPU Trainer (no progress bar, summary or checkpoints; no logger unless given)."""
     return pl.Trainer(
         default_root_dir=root,
         accelerator="cpu",
         max_steps=max_steps,
         callbacks=callbacks,
-        logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        **trainer,
+        **{"logger": False, **trainer},
     )
 
 
@@ -591,3 +590,47 @@ def test_a_training_step_of_any_arguments_is_not_taken_for_one_that_draws_its_ba
     fit = _trainer(tmp_path, [GraphedSteps(warmup_steps=1)], max_steps=4)
     fit.fit(TakesAnyArguments(), DataLoader(make_data(n=96), batch_size=16, drop_last=True))
     assert fit.global_step == 4
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: [BatchNormPreconditioning(verbose=False), ZSpaceRegularization(weight_decay=1e-2)],
+        lambda: [WeightConditioning()],
+    ],
+    ids=["BNP with decay in z", "Weight Conditioning"],
+)
+def test_the_packages_other_training_callbacks_replay_as_eager(tmp_path: Path, make: Any) -> None:
+    """Decay in z (terms added in BNP's step) and Weight Conditioning (a parametrized forward) inside the graph."""
+    weights = []
+    for graphed in (False, True):
+        model = Classifier()
+        callbacks = [*make(), *([GraphedSteps(warmup_steps=2)] if graphed else [])]
+        torch.manual_seed(1)
+        _trainer(tmp_path / str(graphed), callbacks, max_steps=12).fit(
+            model, DataLoader(make_data(n=96), batch_size=16, shuffle=True, drop_last=True)
+        )
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for eager, replayed in zip(*weights):
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_timing_monitor_logs_only_whole_steps_once_they_are_replayed(tmp_path: Path) -> None:
+    """Replayed, BNP's statistics and transform run inside the graph: TimingMonitor says so once and logs no split
+    (it logged 0 ms for them before), while the eager warm-up steps keep theirs."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_bnp import TimingMonitor
+
+    callbacks = [BatchNormPreconditioning(verbose=False), TimingMonitor(every_n_steps=2), GraphedSteps(warmup_steps=2)]
+    fit = _trainer(tmp_path, callbacks, max_steps=8, logger=CSVLogger(tmp_path))
+    message = "TimingMonitor: the steps are replayed from a CUDA graph (GraphedSteps), which runs BNP's statistics"
+    with pytest.warns(UserWarning, match="^" + re.escape(message)) as warned:
+        fit.fit(Classifier(), DataLoader(make_data(n=96), batch_size=16, drop_last=True))
+    assert sum(message in str(w.message) for w in warned) == 1
+    rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r["timing/step_ms"]]
+    assert [r["step"] for r in rows] == ["0", "2", "4", "6"]
+    assert [bool(r["timing/bnp_ms"]) for r in rows] == [True, False, False, False]  # (step 2 is the captured one)
+    assert all(float(r["timing/step_ms"]) > 0 for r in rows)
