@@ -50,7 +50,7 @@ HOST_READS = {
     aten.unique_consecutive.default,
 }
 
-#: operations that read back to the host when an index is a bool mask (its true positions) or counts are a tensor
+#: operations that read back to the host when an index is a bool mask (its true positions)
 MASK_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
 #: in-place operations that change a tensor's shape or strides, not its values: run at capture, not on replay
@@ -67,8 +67,7 @@ class _Op:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     out: Any
-    writes: bool  # writes into one of its arguments (at capture: into scratch copies)
-    memory: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # its tensors and their memory at capture
+    memory: list[tuple[torch.Tensor, int]]  # its tensors and the address of their memory at capture
 
 
 def _written_arguments(func: Any) -> list[int | str]:
@@ -136,12 +135,12 @@ class _Recorder(TorchDispatchMode):
             )
         if func._schema.name.split("::")[-1] in METADATA_WRITES:
             return func(*args, **kwargs)  # (shapes and strides are Python's business: set once, at capture)
-        written = _written_arguments(func)
         if _is_view(func):
             return func(*args, **kwargs)
+        written = _written_arguments(func)
         if not written:
             out = func(*args, **kwargs)
-            self.graph.ops.append(_Op(func, args, kwargs, out, writes=False, memory=_memory(args, kwargs, out)))
+            self.graph.ops.append(_Op(func, args, kwargs, out, memory=_memory(args, kwargs, out)))
             return out
         # capture writes nothing: the operation writes into scratch copies of its written arguments
         scratch_args, scratch_kwargs = list(args), dict(kwargs)
@@ -163,7 +162,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*scratch_args, **scratch_kwargs)
         # a result that is a written argument is the original, not its scratch copy
         out = tree_map(lambda t: originals.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
-        self.graph.ops.append(_Op(func, args, kwargs, out, writes=True, memory=_memory(args, kwargs, out)))
+        self.graph.ops.append(_Op(func, args, kwargs, out, memory=_memory(args, kwargs, out)))
         return out
 
 
