@@ -109,6 +109,21 @@ class BoringClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
+def quiet_trainer(root: Path, callbacks: list[pl.Callback] | None = None, **trainer_kwargs: Any) -> pl.Trainer:
+    """A Trainer on one device of :data:`ACCELERATOR` without logger, progress bar, model summary or checkpoints;
+    ``trainer_kwargs`` add to or override these."""
+    defaults: dict[str, Any] = dict(
+        default_root_dir=root,
+        accelerator=ACCELERATOR,
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    return pl.Trainer(callbacks=callbacks or [], **{**defaults, **trainer_kwargs})
+
+
 def _fit(
     tmp_path: Path,
     model: pl.LightningModule,
@@ -119,20 +134,11 @@ def _fit(
     ckpt_path: str | None = None,
     **trainer_kwargs: Any,
 ) -> pl.Trainer:
-    """Fit on :data:`ACCELERATOR` without logger, progress bar or summary; extra kwargs go to the Trainer."""
-    defaults: dict[str, Any] = dict(
-        default_root_dir=tmp_path,
-        accelerator=ACCELERATOR,
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+    """Fit on :data:`ACCELERATOR` without logger, progress bar, summary or validation; extra kwargs go to the
+    Trainer (:func:`quiet_trainer`)."""
+    trainer = quiet_trainer(
+        tmp_path, callbacks, **{"num_sanity_val_steps": 0, "limit_val_batches": 0, **trainer_kwargs}
     )
-    defaults.update(trainer_kwargs)
-    trainer = pl.Trainer(callbacks=callbacks or [], **defaults)
     trainer.fit(model, DataLoader(data, batch_size=batch_size, shuffle=False), ckpt_path=ckpt_path)
     return trainer
 

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_bnp import BatchNormPreconditioning, GraphedSteps
 from lightning_bnp.core import GraphedTrainingStep
-from tests.helpers import make_data
+from tests.helpers import make_data, quiet_trainer
 from tests.recorded_graphs import RecordedGraphs
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
@@ -78,17 +78,12 @@ def _fit(tmp_path: Path, device: str, graphed: bool, callback: bool = False) -> 
     model, bnp = Classifier(graphed and not callback), BatchNormPreconditioning(verbose=False)
     record = RecordStatistics(bnp)
     graphed_steps = [GraphedSteps()] if callback else []
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path,
+    trainer = quiet_trainer(
+        tmp_path,
+        [bnp, record, *graphed_steps],
         accelerator=device,
-        devices=1,
         max_steps=24,
         max_epochs=4,  # (24 steps: a fit that stops counting steps ends anyway)
-        callbacks=[bnp, record, *graphed_steps],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     data = DataLoader(make_data(n=96), batch_size=16, shuffle=False, drop_last=True)
     trainer.fit(model, data)

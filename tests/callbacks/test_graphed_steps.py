@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_bnp import BatchNormPreconditioning, GraphedSteps, WeightConditioning, ZSpaceRegularization
-from tests.helpers import make_data
+from tests.helpers import make_data, quiet_trainer
 from tests.recorded_graphs import RecordedGraph, RecordedGraphs
 
 
@@ -92,18 +92,9 @@ class Record(pl.Callback):
             self.statistics[name] = (r.mean_acc.clone(), r.var_acc.clone(), r.steps)
 
 
-def _trainer(root: Path, callbacks: list[pl.Callback], max_steps: int, **trainer: Any) -> pl.Trainer:
-    """A quiet CPU Trainer (no progress bar, summary or checkpoints; no logger unless given)."""
-    return pl.Trainer(
-        default_root_dir=root,
-        accelerator="cpu",
-        max_steps=max_steps,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        **{"logger": False, **trainer},
-    )
+def _trainer(root: Path, callbacks: list[pl.Callback], *, max_steps: int, **trainer: Any) -> pl.Trainer:
+    """A quiet Trainer on the CPU (the stand-in runtime's device)."""
+    return quiet_trainer(root, callbacks, accelerator="cpu", max_steps=max_steps, **trainer)
 
 
 def _fit(
@@ -113,7 +104,7 @@ def _fit(
     callbacks: list[pl.Callback] = [BatchNormPreconditioning(verbose=False), record]
     if graphed is not None:
         callbacks.append(graphed)
-    fit = _trainer(root, callbacks, max_steps, gradient_clip_val=0.5, **trainer)
+    fit = _trainer(root, callbacks, max_steps=max_steps, gradient_clip_val=0.5, **trainer)
     data = DataLoader(make_data(n=96), batch_size=16, shuffle=True, drop_last=True)
     torch.manual_seed(1)
     fit.fit(model, data, DataLoader(make_data(n=32, seed=2), batch_size=16), ckpt_path=ckpt_path)
@@ -216,7 +207,9 @@ def _fit_options(
     tmp_path: Path, model: Options, max_steps: int = 6, callbacks: list[pl.Callback] | None = None, **trainer: Any
 ) -> pl.Trainer:
     """A fit with ``GraphedSteps(warmup_steps=1)`` (or the given callbacks)."""
-    fit = _trainer(tmp_path, [GraphedSteps(warmup_steps=1)] if callbacks is None else callbacks, max_steps, **trainer)
+    fit = _trainer(
+        tmp_path, [GraphedSteps(warmup_steps=1)] if callbacks is None else callbacks, max_steps=max_steps, **trainer
+    )
     fit.fit(model, DataLoader(make_data(n=96), batch_size=16, drop_last=True))
     return fit
 
